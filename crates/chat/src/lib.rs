@@ -1,0 +1,1 @@
+//! Chat templates (Jinja, rendered as HF transformers does) and tool-call envelope formats.

@@ -1,0 +1,3 @@
+//! The `lockstep` binary: thin glue over the library crates.
+
+fn main() {}

@@ -1,0 +1,1 @@
+//! GGUF file reader: mmap, metadata, tensor table, hostile-input safe.

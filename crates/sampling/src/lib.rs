@@ -1,0 +1,1 @@
+//! The sampling rule: logit processing, counter-based Gumbel-max choice, stop conditions.

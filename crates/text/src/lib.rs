@@ -1,0 +1,1 @@
+//! Tokenizers built from GGUF metadata (byte-level BPE, SentencePiece) and streaming detokenization.
