@@ -1,1 +1,42 @@
-//! Quantized block formats: dequantization and canonical-order dot kernels (scalar, AVX2, AVX-512).
+//! Quantized block formats: dequantization and canonical-order dot kernels (scalar, AVX2,
+//! AVX-512).
+//!
+//! This crate knows the ggml block formats (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+//! Q2_K–Q6_K) byte for byte, but nothing of GGUF files: it takes byte slices and a
+//! [`Format`]. Every dot product follows the canonical order of ARCHITECTURE.md ("Numerics:
+//! the canonical order"): activations quantized per block by one quantizer, an exact
+//! integer sum inside each weight block, then f32 fused multiply-adds across blocks in block
+//! order. The SIMD paths vectorise across output rows and are bit-identical to the scalar
+//! reference.
+//!
+//! ```
+//! use lockstep_quant::{kernels, quantize_row, Format, QuantizedActs};
+//!
+//! let k = 64;
+//! let w: Vec<f32> = (0..2 * k).map(|i| (i as f32 * 0.37).sin()).collect();
+//! let mut bytes = quantize_row(Format::Q8_0, &w[..k]).unwrap();
+//! bytes.extend(quantize_row(Format::Q8_0, &w[k..]).unwrap());
+//! let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.11).cos()).collect();
+//! let mut acts = QuantizedActs::new(Format::Q8_0.act_layout(), k).unwrap();
+//! acts.quantize_into(&x).unwrap();
+//! let mut out = vec![0.0; 2];
+//! kernels().matmul(Format::Q8_0, &bytes, 2, &acts, &mut out).unwrap();
+//! ```
+
+mod acts;
+mod blocks;
+mod dequant;
+mod error;
+mod format;
+mod kernels;
+mod quantize;
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+pub use acts::QuantizedActs;
+pub use dequant::dequantize_row;
+pub use error::QuantError;
+pub use format::{ActLayout, Format, QK_K, QK_LEGACY};
+pub use kernels::{Kernels, Path, kernels};
+pub use quantize::quantize_row;
