@@ -1,6 +1,6 @@
 //! Dequantization of whole rows to f32 (scalar; not on the hot path).
 
-use crate::blocks::{decode, float_at, sub_len};
+use crate::blocks::{IntBlock, decode, float_at, sub_len};
 use crate::{Format, QuantError};
 
 /// Dequantize one row: `bytes` holds whole blocks, `out` receives `out.len()` weights.
@@ -23,38 +23,42 @@ pub fn dequantize_row(format: Format, bytes: &[u8], out: &mut [f32]) -> Result<(
         return Ok(());
     }
     let bl = format.block_len();
-    let sl = sub_len(format);
     for (blk, ys) in bytes
         .chunks_exact(format.block_bytes())
         .zip(out.chunks_exact_mut(bl))
     {
-        let ib = decode(format, blk);
-        match format {
-            Format::Q4_0 | Format::Q5_0 | Format::Q8_0 => {
-                for (y, &c) in ys.iter_mut().zip(&ib.codes) {
-                    *y = f32::from(c) * ib.d;
-                }
+        dequantize_block(format, &decode(format, blk), ys);
+    }
+    Ok(())
+}
+
+/// Dequantize one decoded block of a quantized format into `ys` (one block of weights).
+pub(crate) fn dequantize_block(format: Format, ib: &IntBlock, ys: &mut [f32]) {
+    let sl = sub_len(format);
+    match format {
+        Format::Q4_0 | Format::Q5_0 | Format::Q8_0 => {
+            for (y, &c) in ys.iter_mut().zip(&ib.codes) {
+                *y = f32::from(c) * ib.d;
             }
-            Format::Q4_1 | Format::Q5_1 => {
-                for (y, &c) in ys.iter_mut().zip(&ib.codes) {
-                    *y = f32::from(c) * ib.d + ib.m;
-                }
+        }
+        Format::Q4_1 | Format::Q5_1 => {
+            for (y, &c) in ys.iter_mut().zip(&ib.codes) {
+                *y = f32::from(c) * ib.d + ib.m;
             }
-            _ => {
-                let has_min = matches!(format, Format::Q2_K | Format::Q4_K | Format::Q5_K);
-                for (j, sub) in ys.chunks_exact_mut(sl).enumerate() {
-                    let dl = ib.d * ib.sc[j] as f32;
-                    let ml = if has_min { ib.m * ib.mn[j] as f32 } else { 0.0 };
-                    for (y, &c) in sub.iter_mut().zip(&ib.codes[j * sl..]) {
-                        *y = if has_min {
-                            dl * f32::from(c) - ml
-                        } else {
-                            dl * f32::from(c)
-                        };
-                    }
+        }
+        _ => {
+            let has_min = matches!(format, Format::Q2_K | Format::Q4_K | Format::Q5_K);
+            for (j, sub) in ys.chunks_exact_mut(sl).enumerate() {
+                let dl = ib.d * ib.sc[j] as f32;
+                let ml = if has_min { ib.m * ib.mn[j] as f32 } else { 0.0 };
+                for (y, &c) in sub.iter_mut().zip(&ib.codes[j * sl..]) {
+                    *y = if has_min {
+                        dl * f32::from(c) - ml
+                    } else {
+                        dl * f32::from(c)
+                    };
                 }
             }
         }
     }
-    Ok(())
 }

@@ -1,6 +1,6 @@
 //! Kernel selection (once per process, from CPU features) and the matmul entry points.
 
-use crate::{Format, QuantError, QuantizedActs, scalar};
+use crate::{Format, PackedMatrix, QuantError, QuantizedActs, scalar};
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -214,6 +214,164 @@ impl Kernels {
                 out[mi * n + r.start..mi * n + r.end]
                     .copy_from_slice(&buf[mi * r.len()..(mi + 1) * r.len()]);
             }
+        }
+        Ok(())
+    }
+
+    /// The weight rows `n_range` of a matmul with a [`PackedMatrix`]: `out[m·ldo + (n −
+    /// n_range.start)] = dot(W row n, A row m)` for every activation row m, bit-identical
+    /// to [`Kernels::matmul_n_range`] on the original bytes. Ranges that start at a multiple
+    /// of [`PackedMatrix::TILE`] avoid recomputing a shared tile; `out` needs
+    /// `(M − 1)·ldo + n_range.len()` elements.
+    pub fn matmul_packed(
+        &self,
+        w: &PackedMatrix,
+        acts: &QuantizedActs,
+        n_range: Range<usize>,
+        out: &mut [f32],
+        ldo: usize,
+    ) -> Result<(), QuantError> {
+        let format = w.format();
+        if let Some(bytes) = w.plain_bytes() {
+            if acts.k != w.k() {
+                return Err(QuantError::Length {
+                    what: "activation row length (the matrix's K)",
+                    expected: w.k(),
+                    got: acts.k,
+                });
+            }
+            return self.matmul_n_range(format, bytes, w.n(), acts, n_range, out, ldo);
+        }
+        self.check_packed(w, acts, &n_range, out.len(), ldo)?;
+        if n_range.is_empty() || acts.m == 0 {
+            return Ok(());
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.path != Path::Scalar {
+            // SAFETY: `Kernels` for this path exists only after feature detection; the
+            // matrix is tiled and shapes were validated by `check_packed`.
+            unsafe {
+                crate::x86::packed::matmul_packed(
+                    self.path == Path::Avx512Vnni,
+                    w,
+                    acts,
+                    n_range,
+                    out,
+                    ldo,
+                );
+            }
+            return Ok(());
+        }
+        for m in 0..acts.m {
+            for n in n_range.clone() {
+                out[m * ldo + n - n_range.start] =
+                    scalar::dot_blocks(format, acts, m, |b| w.decode_block(n, b));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Kernels::matmul_packed`] over all N (`out` is M·N), with N split into `threads`
+    /// contiguous tile-aligned ranges, one scoped thread each. Results do not depend on
+    /// `threads`.
+    pub fn matmul_packed_threaded(
+        &self,
+        w: &PackedMatrix,
+        acts: &QuantizedActs,
+        out: &mut [f32],
+        threads: usize,
+    ) -> Result<(), QuantError> {
+        let (m, n) = (acts.m, w.n());
+        expect_len("matmul output (M·N)", m.checked_mul(n), out.len())?;
+        let tiles = n.div_ceil(PackedMatrix::TILE);
+        let threads = threads.clamp(1, tiles.max(1));
+        if threads == 1 || m == 0 {
+            return self.matmul_packed(w, acts, 0..n, out, n);
+        }
+        let chunk = tiles.div_ceil(threads) * PackedMatrix::TILE;
+        let ranges: Vec<Range<usize>> = (0..threads)
+            .map(|t| (t * chunk).min(n)..((t + 1) * chunk).min(n))
+            .filter(|r| !r.is_empty())
+            .collect();
+        let mut bufs: Vec<Vec<f32>> = ranges.iter().map(|r| vec![0.0; m * r.len()]).collect();
+        let results: Vec<Result<(), QuantError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranges
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(r, buf)| {
+                    let r = r.clone();
+                    s.spawn(move || self.matmul_packed(w, acts, r.clone(), buf, r.len()))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        });
+        for res in results {
+            res?;
+        }
+        for (r, buf) in ranges.iter().zip(&bufs) {
+            for mi in 0..m {
+                out[mi * n + r.start..mi * n + r.end]
+                    .copy_from_slice(&buf[mi * r.len()..(mi + 1) * r.len()]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Shape checks of a packed matmul.
+    fn check_packed(
+        &self,
+        w: &PackedMatrix,
+        acts: &QuantizedActs,
+        n_range: &Range<usize>,
+        out_len: usize,
+        ldo: usize,
+    ) -> Result<(), QuantError> {
+        let format = w.format();
+        if format.act_layout() != acts.layout {
+            return Err(QuantError::ActLayout {
+                format,
+                needed: format.act_layout(),
+                got: acts.layout,
+            });
+        }
+        if acts.k != w.k() {
+            return Err(QuantError::Length {
+                what: "activation row length (the matrix's K)",
+                expected: w.k(),
+                got: acts.k,
+            });
+        }
+        if n_range.start > n_range.end || n_range.end > w.n() {
+            return Err(QuantError::NRange {
+                start: n_range.start,
+                end: n_range.end,
+                n: w.n(),
+            });
+        }
+        let rows = n_range.len();
+        if rows == 0 || acts.m == 0 {
+            return Ok(());
+        }
+        if ldo < rows {
+            return Err(QuantError::Length {
+                what: "output row stride (at least the range length)",
+                expected: rows,
+                got: ldo,
+            });
+        }
+        let needed = (acts.m - 1)
+            .checked_mul(ldo)
+            .and_then(|v| v.checked_add(rows))
+            .ok_or(QuantError::TooLarge)?;
+        if out_len < needed {
+            return Err(QuantError::Length {
+                what: "output",
+                expected: needed,
+                got: out_len,
+            });
         }
         Ok(())
     }

@@ -10,7 +10,7 @@
 //! reference.
 //!
 //! ```
-//! use lockstep_quant::{kernels, quantize_row, Format, QuantizedActs};
+//! use lockstep_quant::{kernels, quantize_row, Format, PackedMatrix, QuantizedActs};
 //!
 //! let k = 64;
 //! let w: Vec<f32> = (0..2 * k).map(|i| (i as f32 * 0.37).sin()).collect();
@@ -21,7 +21,18 @@
 //! acts.quantize_into(&x).unwrap();
 //! let mut out = vec![0.0; 2];
 //! kernels().matmul(Format::Q8_0, &bytes, 2, &acts, &mut out).unwrap();
+//!
+//! // Repacked once at load time into 16-row tiles: same results, faster kernels.
+//! let packed = PackedMatrix::pack(Format::Q8_0, &bytes, 2, k).unwrap();
+//! let mut out_p = vec![0.0; 2];
+//! kernels().matmul_packed(&packed, &acts, 0..2, &mut out_p, 2).unwrap();
+//! assert_eq!(out[0].to_bits(), out_p[0].to_bits());
 //! ```
+//!
+//! [`PackedMatrix`] holds weights in N-interleaved 16-row tiles (codes transposed by 4 so
+//! that one `vpdpbusd` accumulates 16 output rows, scales as 16-lane vectors) and
+//! [`Kernels::matmul_packed`] tiles over M as well, reusing each weight load for several
+//! activation rows. Decode (M = 1) and prefill both use it.
 
 mod acts;
 mod blocks;
@@ -29,6 +40,7 @@ mod dequant;
 mod error;
 mod format;
 mod kernels;
+mod packed;
 mod quantize;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
@@ -39,4 +51,5 @@ pub use dequant::dequantize_row;
 pub use error::QuantError;
 pub use format::{ActLayout, Format, QK_K, QK_LEGACY};
 pub use kernels::{Kernels, Path, kernels};
+pub use packed::PackedMatrix;
 pub use quantize::quantize_row;

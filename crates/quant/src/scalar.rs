@@ -1,7 +1,7 @@
 //! The scalar reference dot products: the canonical order written out plainly. Every SIMD
 //! path is tested bit-identical to these.
 
-use crate::blocks::{decode, float_at, sub_len};
+use crate::blocks::{IntBlock, decode, float_at, sub_len};
 use crate::{Format, QuantizedActs};
 
 /// `dot(W row, A row m)`. Lengths were validated by the caller: `w` is one whole row of
@@ -16,6 +16,21 @@ pub(crate) fn dot(format: Format, w: &[u8], acts: &QuantizedActs, m: usize) -> f
         }
         return acc;
     }
+    let bb = format.block_bytes();
+    dot_blocks(format, acts, m, |b| {
+        decode(format, &w[b * bb..(b + 1) * bb])
+    })
+}
+
+/// The canonical block loop of a quantized format over blocks produced by `block(b)`, for
+/// `b` in block order (`acts.k / block_len` of them), against activation row `m`.
+pub(crate) fn dot_blocks(
+    format: Format,
+    acts: &QuantizedActs,
+    m: usize,
+    mut block: impl FnMut(usize) -> IntBlock,
+) -> f32 {
+    let k = acts.k;
     let bl = format.block_len();
     let nb = k / bl;
     let sl = sub_len(format);
@@ -23,10 +38,9 @@ pub(crate) fn dot(format: Format, w: &[u8], acts: &QuantizedActs, m: usize) -> f
     let ds = &acts.d[m * nb..(m + 1) * nb];
     let s32 = &acts.s32[m * k / 32..(m + 1) * k / 32];
     let mut acc = 0.0f32;
-    for (b, blk) in w.chunks_exact(format.block_bytes()).enumerate() {
-        let ib = decode(format, blk);
+    for (b, &da) in ds.iter().enumerate() {
+        let ib = block(b);
         let a = &qs[b * bl..(b + 1) * bl];
-        let da = ds[b];
         match format {
             Format::Q4_0 | Format::Q5_0 | Format::Q8_0 => {
                 let isum = int_dot(&ib.codes[..bl], a);

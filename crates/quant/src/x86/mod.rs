@@ -5,6 +5,7 @@
 
 pub(crate) mod acts;
 mod isa;
+pub(crate) mod packed;
 mod qfmt;
 
 use crate::{ActLayout, Format, QuantizedActs};

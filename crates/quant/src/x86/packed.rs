@@ -1,0 +1,777 @@
+//! Kernels over the 16-row packed tiles (`crate::packed`). One `vpdpbusd` (AVX-512) or
+//! `pmaddubsw`+`pmaddwd` (AVX2, per 8-row half of a tile) multiplies a vector of 4 codes of
+//! every row by a broadcast of 4 activation bytes, so each i32 lane is one output row's
+//! running integer sum: no horizontal reduction. Up to `MR` activation rows share every
+//! weight load. Per output, the block loop and the f32 fused multiply-adds are exactly the
+//! canonical ones; integer offsets of unsigned codes are removed by starting each block's
+//! integer sum at `−offset·Σa` (exact).
+
+// The kernels index several parallel register arrays (one entry per activation row) with
+// one row index; iterator chains over them would obscure the canonical order.
+#![allow(clippy::needless_range_loop)]
+
+use super::isa::{Avx2, Isa};
+use crate::packed::{Layout, TILE};
+use crate::{Format, PackedMatrix, QuantizedActs};
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+/// Most activation rows per weight-tile pass (AVX-512: 32 registers).
+const MR: usize = 6;
+/// Activation rows per pass on AVX2 (16 registers).
+const MR_AVX2: usize = 4;
+/// Bytes of activation codes kept hot while a block of M rows walks all weight tiles.
+const ACT_BUDGET: usize = 384 * 1024;
+
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q5_0: u8 = 2;
+const Q5_1: u8 = 3;
+const Q8_0: u8 = 4;
+const Q4K: u8 = 5;
+const Q5K: u8 = 6;
+const Q6K: u8 = 7;
+
+/// One SIMD width over the packed layout: `L` output rows per vector.
+trait Pk {
+    /// Rows (lanes) per vector.
+    const L: usize;
+    /// `dot8` computes Σ (w + Q8_OFF)·a.
+    const Q8_OFF: i32;
+    /// L i32 lanes.
+    type V: Copy;
+    /// L f32 lanes.
+    type F: Copy;
+
+    /// `4·L` code bytes.
+    unsafe fn load(p: *const u8) -> Self::V;
+    /// Low nibble of every byte.
+    unsafe fn lo4(v: Self::V) -> Self::V;
+    /// High nibble of every byte.
+    unsafe fn hi4(v: Self::V) -> Self::V;
+    /// `u | 0x10` in byte i where bit i of the `4·L`-bit little-endian mask at `p` is set.
+    unsafe fn bit4(u: Self::V, p: *const u8) -> Self::V;
+    /// `u | (((h >> 2t) & 3) << 4)` per byte.
+    unsafe fn hi2<const T: u32>(u: Self::V, h: Self::V) -> Self::V;
+    /// `acc + Σ4 u·a` per lane; u ≤ 63 unsigned, `a` four signed bytes.
+    unsafe fn dot(acc: Self::V, u: Self::V, a: i32) -> Self::V;
+    /// `acc + Σ4 (w + Q8_OFF)·a` per lane, with `u = w + 128` stored (any byte).
+    unsafe fn dot8(acc: Self::V, u: Self::V, a: i32) -> Self::V;
+    /// `acc + Σ2 w·a` per lane over i16 pairs; `a` two i16.
+    unsafe fn dotw(acc: Self::V, w: Self::V, a: i32) -> Self::V;
+    /// All lanes `x`.
+    unsafe fn splat_i(x: i32) -> Self::V;
+    /// `a + b`.
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    /// `a·b` (low 32 bits).
+    unsafe fn mullo(a: Self::V, b: Self::V) -> Self::V;
+    /// L unsigned bytes, zero-extended.
+    unsafe fn u8s(p: *const u8) -> Self::V;
+    /// L signed bytes, sign-extended.
+    unsafe fn i8s(p: *const u8) -> Self::V;
+    /// 2·L unsigned bytes as L pairs of i16.
+    unsafe fn u8_pairs(p: *const u8) -> Self::V;
+    /// L f16, decoded exactly.
+    unsafe fn f16(p: *const u8) -> Self::F;
+    /// Zero.
+    unsafe fn fzero() -> Self::F;
+    /// All lanes `x`.
+    unsafe fn splat(x: f32) -> Self::F;
+    /// `a·b`.
+    unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
+    /// `a·b + c`, fused.
+    unsafe fn fma(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+    /// `-a`.
+    unsafe fn neg(a: Self::F) -> Self::F;
+    /// i32 → f32, nearest even.
+    unsafe fn cvt(v: Self::V) -> Self::F;
+    /// Store L lanes.
+    unsafe fn store(v: Self::F, p: *mut f32);
+}
+
+struct P512;
+
+impl Pk for P512 {
+    const L: usize = 16;
+    const Q8_OFF: i32 = 128;
+    type V = __m512i;
+    type F = __m512;
+
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m512i {
+        // SAFETY: the caller guarantees 64 readable bytes.
+        unsafe { _mm512_loadu_si512(p as *const __m512i) }
+    }
+    #[inline(always)]
+    unsafe fn lo4(v: __m512i) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_and_si512(v, _mm512_set1_epi8(0x0F)) }
+    }
+    #[inline(always)]
+    unsafe fn hi4(v: __m512i) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_and_si512(_mm512_srli_epi16::<4>(v), _mm512_set1_epi8(0x0F)) }
+    }
+    #[inline(always)]
+    unsafe fn bit4(u: __m512i, p: *const u8) -> __m512i {
+        // SAFETY: the caller guarantees 8 readable bytes at p.
+        unsafe {
+            let k = (p as *const u64).read_unaligned();
+            _mm512_mask_add_epi8(u, k, u, _mm512_set1_epi8(0x10))
+        }
+    }
+    #[inline(always)]
+    unsafe fn hi2<const T: u32>(u: __m512i, h: __m512i) -> __m512i {
+        // SAFETY: register operations. 16-bit shifts move bits across bytes only into
+        // positions the 0x30 mask clears.
+        unsafe {
+            let s = match T {
+                0 => _mm512_slli_epi16::<4>(h),
+                1 => _mm512_slli_epi16::<2>(h),
+                2 => h,
+                _ => _mm512_srli_epi16::<2>(h),
+            };
+            _mm512_ternarylogic_epi32::<0xF8>(u, s, _mm512_set1_epi8(0x30))
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot(acc: __m512i, u: __m512i, a: i32) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(a)) }
+    }
+    #[inline(always)]
+    unsafe fn dot8(acc: __m512i, u: __m512i, a: i32) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(a)) }
+    }
+    #[inline(always)]
+    unsafe fn dotw(acc: __m512i, w: __m512i, a: i32) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(a)) }
+    }
+    #[inline(always)]
+    unsafe fn splat_i(x: i32) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_set1_epi32(x) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m512i, b: __m512i) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_add_epi32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn mullo(a: __m512i, b: __m512i) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_mullo_epi32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn u8s(p: *const u8) -> __m512i {
+        // SAFETY: the caller guarantees 16 readable bytes.
+        unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn i8s(p: *const u8) -> __m512i {
+        // SAFETY: the caller guarantees 16 readable bytes.
+        unsafe { _mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn u8_pairs(p: *const u8) -> __m512i {
+        // SAFETY: the caller guarantees 32 readable bytes.
+        unsafe { _mm512_cvtepu8_epi16(_mm256_loadu_si256(p as *const __m256i)) }
+    }
+    #[inline(always)]
+    unsafe fn f16(p: *const u8) -> __m512 {
+        // SAFETY: the caller guarantees 32 readable bytes.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+    }
+    #[inline(always)]
+    unsafe fn fzero() -> __m512 {
+        // SAFETY: register operations.
+        unsafe { _mm512_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m512 {
+        // SAFETY: register operations.
+        unsafe { _mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: register operations.
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+        // SAFETY: register operations.
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn neg(a: __m512) -> __m512 {
+        // SAFETY: register operations (sign flip, exact).
+        unsafe {
+            _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(a),
+                _mm512_set1_epi32(i32::MIN),
+            ))
+        }
+    }
+    #[inline(always)]
+    unsafe fn cvt(v: __m512i) -> __m512 {
+        // SAFETY: register operations (default rounding: nearest even).
+        unsafe { _mm512_cvtepi32_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn store(v: __m512, p: *mut f32) {
+        // SAFETY: the caller guarantees 16 writable f32.
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
+}
+
+struct P256;
+
+impl Pk for P256 {
+    const L: usize = 8;
+    const Q8_OFF: i32 = 0;
+    type V = __m256i;
+    type F = __m256;
+
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees 32 readable bytes.
+        unsafe { _mm256_loadu_si256(p as *const __m256i) }
+    }
+    #[inline(always)]
+    unsafe fn lo4(v: __m256i) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_and_si256(v, _mm256_set1_epi8(0x0F)) }
+    }
+    #[inline(always)]
+    unsafe fn hi4(v: __m256i) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_and_si256(_mm256_srli_epi16::<4>(v), _mm256_set1_epi8(0x0F)) }
+    }
+    #[inline(always)]
+    unsafe fn bit4(u: __m256i, p: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees 4 readable bytes at p.
+        unsafe {
+            let bits = (p as *const u32).read_unaligned();
+            _mm256_or_si256(u, Avx2::bits_to_bytes(bits, _mm256_set1_epi8(0x10)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn hi2<const T: u32>(u: __m256i, h: __m256i) -> __m256i {
+        // SAFETY: register operations (see the AVX-512 version).
+        unsafe {
+            let s = match T {
+                0 => _mm256_slli_epi16::<4>(h),
+                1 => _mm256_slli_epi16::<2>(h),
+                2 => h,
+                _ => _mm256_srli_epi16::<2>(h),
+            };
+            _mm256_or_si256(u, _mm256_and_si256(s, _mm256_set1_epi8(0x30)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot(acc: __m256i, u: __m256i, a: i32) -> __m256i {
+        // SAFETY: register operations. u ≤ 63, |a| ≤ 127: pair sums fit in i16.
+        unsafe {
+            let p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(a));
+            _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot8(acc: __m256i, u: __m256i, a: i32) -> __m256i {
+        // SAFETY: register operations. w = u ^ 0x80; |w| ≤ 128, |a| ≤ 127: pair sums of
+        // |w|·(±a) fit in i16.
+        unsafe {
+            let w = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
+            let s = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
+            let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), s);
+            _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn dotw(acc: __m256i, w: __m256i, a: i32) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(a))) }
+    }
+    #[inline(always)]
+    unsafe fn splat_i(x: i32) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_set1_epi32(x) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_add_epi32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn mullo(a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_mullo_epi32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn u8s(p: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees 8 readable bytes.
+        unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn i8s(p: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees 8 readable bytes.
+        unsafe { _mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn u8_pairs(p: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees 16 readable bytes.
+        unsafe { _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn f16(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 16 readable bytes; F16C enabled.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn fzero() -> __m256 {
+        // SAFETY: register operations.
+        unsafe { _mm256_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m256 {
+        // SAFETY: register operations.
+        unsafe { _mm256_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: register operations.
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+        // SAFETY: register operations; FMA enabled.
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn neg(a: __m256) -> __m256 {
+        // SAFETY: register operations (sign flip, exact).
+        unsafe { _mm256_xor_ps(a, _mm256_set1_ps(-0.0)) }
+    }
+    #[inline(always)]
+    unsafe fn cvt(v: __m256i) -> __m256 {
+        // SAFETY: register operations.
+        unsafe { _mm256_cvtepi32_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn store(v: __m256, p: *mut f32) {
+        // SAFETY: the caller guarantees 8 writable f32.
+        unsafe { _mm256_storeu_ps(p, v) }
+    }
+}
+
+/// Everything one kernel call needs: the tiles, the activation rows, the output.
+struct Call<'a> {
+    tiles: *const u8,
+    layout: Layout,
+    acts: &'a QuantizedActs,
+    /// Output rows asked for (whole matrix coordinates).
+    n_range: Range<usize>,
+    out: *mut f32,
+    ldo: usize,
+}
+
+/// Pointers of `R` activation rows.
+struct Rows<const R: usize> {
+    qs: [*const u8; R],
+    d: [*const f32; R],
+    s32: [*const i16; R],
+    s16: [*const i16; R],
+}
+
+#[inline(always)]
+unsafe fn rd32(p: *const u8) -> i32 {
+    // SAFETY: the caller guarantees 4 readable bytes.
+    unsafe { (p as *const i32).read_unaligned() }
+}
+
+/// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 over the rows of half `h` of a tile.
+#[inline(always)]
+unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
+    base: *const u8,
+    lay: &Layout,
+    h: usize,
+    a: &Rows<R>,
+    res: &mut [[f32; TILE]; R],
+) {
+    let l = P::L;
+    let off: i32 = match FMT {
+        Q4_0 => 8,
+        Q5_0 => 16,
+        Q8_0 => P::Q8_OFF,
+        _ => 0,
+    };
+    // SAFETY: every read below stays inside the tile (regions sized by `Layout` for
+    // `lay.nb` blocks) or inside the R activation rows (k codes, k/32 sums, k/32 scales).
+    unsafe {
+        let codes = base.add(lay.codes + h * l * 4);
+        let hi = base.add(lay.hi + h * l / 2);
+        let dp = base.add(lay.d + h * l * 2);
+        let mp = base.add(lay.m + h * l * 2);
+        let mut acc = [P::fzero(); R];
+        for b in 0..lay.nb {
+            let mut asum = [0i32; R];
+            let mut isum = [P::splat_i(0); R];
+            for i in 0..R {
+                asum[i] = i32::from(*a.s32[i].add(b));
+                isum[i] = P::splat_i(-off * asum[i]);
+            }
+            if FMT == Q8_0 {
+                let cb = codes.add(512 * b);
+                for c in 0..8 {
+                    let u = P::load(cb.add(64 * c));
+                    for i in 0..R {
+                        isum[i] = P::dot8(isum[i], u, rd32(a.qs[i].add(32 * b + 4 * c)));
+                    }
+                }
+            } else {
+                let cb = codes.add(256 * b);
+                for t in 0..4 {
+                    let v = P::load(cb.add(64 * t));
+                    let mut lo = P::lo4(v);
+                    let mut hv = P::hi4(v);
+                    if FMT == Q5_0 || FMT == Q5_1 {
+                        lo = P::bit4(lo, hi.add(64 * b + 8 * t));
+                        hv = P::bit4(hv, hi.add(64 * b + 8 * (t + 4)));
+                    }
+                    for i in 0..R {
+                        let qa = a.qs[i].add(32 * b + 4 * t);
+                        isum[i] = P::dot(isum[i], lo, rd32(qa));
+                        isum[i] = P::dot(isum[i], hv, rd32(qa.add(16)));
+                    }
+                }
+            }
+            let dw = P::f16(dp.add(32 * b));
+            let mut da = [P::fzero(); R];
+            for i in 0..R {
+                da[i] = P::splat(*a.d[i].add(b));
+                acc[i] = P::fma(P::mul(dw, da[i]), P::cvt(isum[i]), acc[i]);
+            }
+            if FMT == Q4_1 || FMT == Q5_1 {
+                let mw = P::f16(mp.add(32 * b));
+                for i in 0..R {
+                    acc[i] = P::fma(P::mul(mw, da[i]), P::splat(asum[i] as f32), acc[i]);
+                }
+            }
+        }
+        for i in 0..R {
+            P::store(acc[i], res[i].as_mut_ptr().add(h * l));
+        }
+    }
+}
+
+/// Q4_K (`QH = false`) and Q5_K over the rows of half `h` of a tile.
+#[inline(always)]
+unsafe fn k45<P: Pk, const R: usize, const QH: bool>(
+    base: *const u8,
+    lay: &Layout,
+    h: usize,
+    a: &Rows<R>,
+    res: &mut [[f32; TILE]; R],
+) {
+    let l = P::L;
+    // SAFETY: as in `legacy`: reads stay inside the tile's regions and the activation rows.
+    unsafe {
+        let codes = base.add(lay.codes + h * l * 4);
+        let hi = base.add(lay.hi + h * l / 2);
+        let scp = base.add(lay.sc + h * l);
+        let mnp = base.add(lay.mn + h * l * 2);
+        let dp = base.add(lay.d + h * l * 2);
+        let mp = base.add(lay.m + h * l * 2);
+        let mut acc = [P::fzero(); R];
+        for b in 0..lay.nb {
+            let mut isum = [P::splat_i(0); R];
+            for g in 0..8 {
+                let sc = P::u8s(scp.add(128 * b + 16 * g));
+                let cb = codes.add(2048 * b + 256 * g);
+                let mut s = [P::splat_i(0); R];
+                for t in 0..4 {
+                    let v = P::load(cb.add(64 * t));
+                    let mut lo = P::lo4(v);
+                    let mut hv = P::hi4(v);
+                    if QH {
+                        lo = P::bit4(lo, hi.add(512 * b + 64 * g + 8 * t));
+                        hv = P::bit4(hv, hi.add(512 * b + 64 * g + 8 * (t + 4)));
+                    }
+                    for i in 0..R {
+                        let qa = a.qs[i].add(256 * b + 32 * g + 4 * t);
+                        s[i] = P::dot(s[i], lo, rd32(qa));
+                        s[i] = P::dot(s[i], hv, rd32(qa.add(16)));
+                    }
+                }
+                for i in 0..R {
+                    isum[i] = P::add(isum[i], P::mullo(sc, s[i]));
+                }
+            }
+            let mut msum = [P::splat_i(0); R];
+            for p in 0..4 {
+                let mn = P::u8_pairs(mnp.add(128 * b + 32 * p));
+                for i in 0..R {
+                    let pair = rd32(a.s32[i].add(8 * b + 2 * p) as *const u8);
+                    msum[i] = P::dotw(msum[i], mn, pair);
+                }
+            }
+            let dw = P::f16(dp.add(32 * b));
+            let dmin = P::f16(mp.add(32 * b));
+            for i in 0..R {
+                let da = P::splat(*a.d[i].add(b));
+                acc[i] = P::fma(P::mul(dw, da), P::cvt(isum[i]), acc[i]);
+                acc[i] = P::fma(P::neg(P::mul(dmin, da)), P::cvt(msum[i]), acc[i]);
+            }
+        }
+        for i in 0..R {
+            P::store(acc[i], res[i].as_mut_ptr().add(h * l));
+        }
+    }
+}
+
+/// Q6_K over the rows of half `h` of a tile.
+#[inline(always)]
+unsafe fn q6k<P: Pk, const R: usize>(
+    base: *const u8,
+    lay: &Layout,
+    h: usize,
+    a: &Rows<R>,
+    res: &mut [[f32; TILE]; R],
+) {
+    let l = P::L;
+    // SAFETY: as in `legacy`: reads stay inside the tile's regions and the activation rows.
+    unsafe {
+        let codes = base.add(lay.codes + h * l * 4);
+        let hi = base.add(lay.hi + h * l * 4);
+        let scp = base.add(lay.sc + h * l);
+        let dp = base.add(lay.d + h * l * 2);
+        let mut acc = [P::fzero(); R];
+        for b in 0..lay.nb {
+            let mut isum = [P::splat_i(0); R];
+            for g in 0..8 {
+                let cb = codes.add(2048 * b + 256 * g);
+                let v = [
+                    P::load(cb),
+                    P::load(cb.add(64)),
+                    P::load(cb.add(128)),
+                    P::load(cb.add(192)),
+                ];
+                for s in 0..2 {
+                    let j = 2 * g + s;
+                    let hv = P::load(hi.add(1024 * b + 128 * g + 64 * s));
+                    let nib = |x| if s == 0 { P::lo4(x) } else { P::hi4(x) };
+                    let u = [
+                        P::hi2::<0>(nib(v[0]), hv),
+                        P::hi2::<1>(nib(v[1]), hv),
+                        P::hi2::<2>(nib(v[2]), hv),
+                        P::hi2::<3>(nib(v[3]), hv),
+                    ];
+                    let sc = P::i8s(scp.add(256 * b + 16 * j));
+                    for i in 0..R {
+                        let qa = a.qs[i].add(256 * b + 16 * j);
+                        let mut x = P::splat_i(-32 * i32::from(*a.s16[i].add(16 * b + j)));
+                        for (t, &ut) in u.iter().enumerate() {
+                            x = P::dot(x, ut, rd32(qa.add(4 * t)));
+                        }
+                        isum[i] = P::add(isum[i], P::mullo(sc, x));
+                    }
+                }
+            }
+            let dw = P::f16(dp.add(32 * b));
+            for i in 0..R {
+                let da = P::splat(*a.d[i].add(b));
+                acc[i] = P::fma(P::mul(dw, da), P::cvt(isum[i]), acc[i]);
+            }
+        }
+        for i in 0..R {
+            P::store(acc[i], res[i].as_mut_ptr().add(h * l));
+        }
+    }
+}
+
+/// Tiles `tiles` × activation rows `ms` (a multiple of R rows), R rows per pass.
+#[inline(always)]
+unsafe fn run<P: Pk, const R: usize, const FMT: u8>(
+    c: &Call<'_>,
+    tiles: Range<usize>,
+    ms: Range<usize>,
+) {
+    let acts = c.acts;
+    let k = acts.k;
+    let nb = k / acts.layout.block_len();
+    let lay = c.layout;
+    for t in tiles {
+        // SAFETY: t < number of tiles (the caller derives `tiles` from a validated range).
+        let base = unsafe { c.tiles.add(t * lay.tile) };
+        let lanes =
+            c.n_range.start.max(t * TILE) - t * TILE..c.n_range.end.min((t + 1) * TILE) - t * TILE;
+        let mut m = ms.start;
+        while m + R <= ms.end {
+            let mut rows = Rows::<R> {
+                qs: [std::ptr::null(); R],
+                d: [std::ptr::null(); R],
+                s32: [std::ptr::null(); R],
+                s16: [std::ptr::null(); R],
+            };
+            for i in 0..R {
+                let mi = m + i;
+                rows.qs[i] = acts.qs[mi * k..].as_ptr() as *const u8;
+                rows.d[i] = acts.d[mi * nb..].as_ptr();
+                rows.s32[i] = acts.s32[mi * k / 32..].as_ptr();
+                rows.s16[i] = acts
+                    .s16
+                    .get(mi * k / 16..)
+                    .map_or(std::ptr::null(), |s| s.as_ptr());
+            }
+            let mut res = [[0.0f32; TILE]; R];
+            for h in 0..TILE / P::L {
+                if lanes.end <= h * P::L || lanes.start >= (h + 1) * P::L {
+                    continue;
+                }
+                // SAFETY: the tile holds `lay.nb` blocks of every region; the rows hold k
+                // codes and their sums and scales; the kernel matches the layout's format.
+                unsafe {
+                    match FMT {
+                        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 => {
+                            legacy::<P, R, FMT>(base, &lay, h, &rows, &mut res)
+                        }
+                        Q4K => k45::<P, R, false>(base, &lay, h, &rows, &mut res),
+                        Q5K => k45::<P, R, true>(base, &lay, h, &rows, &mut res),
+                        _ => q6k::<P, R>(base, &lay, h, &rows, &mut res),
+                    }
+                }
+            }
+            for (i, r) in res.iter().enumerate() {
+                let at = (m + i) * c.ldo + t * TILE + lanes.start - c.n_range.start;
+                // SAFETY: row m+i < M and columns inside n_range: inside the validated
+                // output ((M − 1)·ldo + n_range.len() elements).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        r[lanes.clone()].as_ptr(),
+                        c.out.add(at),
+                        lanes.len(),
+                    );
+                }
+            }
+            m += R;
+        }
+    }
+}
+
+macro_rules! entries {
+    ($name:ident, $p:ty, $feat:literal) => {
+        #[target_feature(enable = $feat)]
+        unsafe fn $name<const R: usize, const FMT: u8>(
+            c: &Call<'_>,
+            tiles: Range<usize>,
+            ms: Range<usize>,
+        ) {
+            // SAFETY: features enabled; forwarded contract.
+            unsafe { run::<$p, R, FMT>(c, tiles, ms) }
+        }
+    };
+}
+
+entries!(
+    run512,
+    P512,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+);
+entries!(run256, P256, "avx2,fma,f16c");
+
+type Entry = unsafe fn(&Call<'_>, Range<usize>, Range<usize>);
+
+macro_rules! table {
+    ($name:ident, $fmt:expr) => {
+        [
+            $name::<1, { $fmt }> as Entry,
+            $name::<2, { $fmt }> as Entry,
+            $name::<3, { $fmt }> as Entry,
+            $name::<4, { $fmt }> as Entry,
+            $name::<5, { $fmt }> as Entry,
+            $name::<6, { $fmt }> as Entry,
+        ]
+    };
+}
+
+fn fmt_id(format: Format) -> Option<u8> {
+    Some(match format {
+        Format::Q4_0 => Q4_0,
+        Format::Q4_1 => Q4_1,
+        Format::Q5_0 => Q5_0,
+        Format::Q5_1 => Q5_1,
+        Format::Q8_0 => Q8_0,
+        Format::Q4_K => Q4K,
+        Format::Q5_K => Q5K,
+        Format::Q6_K => Q6K,
+        _ => return None,
+    })
+}
+
+fn entries_for(avx512: bool, id: u8) -> [Entry; MR] {
+    macro_rules! pick {
+        ($name:ident) => {
+            match id {
+                Q4_0 => table!($name, Q4_0),
+                Q4_1 => table!($name, Q4_1),
+                Q5_0 => table!($name, Q5_0),
+                Q5_1 => table!($name, Q5_1),
+                Q8_0 => table!($name, Q8_0),
+                Q4K => table!($name, Q4K),
+                Q5K => table!($name, Q5K),
+                _ => table!($name, Q6K),
+            }
+        };
+    }
+    if avx512 { pick!(run512) } else { pick!(run256) }
+}
+
+/// Packed matmul over `n_range` for all activation rows.
+///
+/// # Safety
+/// The CPU must support the path's features (AVX-512 F/BW/VL/VNNI + AVX2/FMA/F16C when
+/// `avx512`, else AVX2/FMA/F16C). `w` is tiled, `acts` matches its format and K,
+/// `n_range ⊆ 0..n` is non-empty, M > 0 and `out` holds `(M − 1)·ldo + n_range.len()`.
+pub(crate) unsafe fn matmul_packed(
+    avx512: bool,
+    w: &PackedMatrix,
+    acts: &QuantizedActs,
+    n_range: Range<usize>,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let (Some((buf, layout)), Some(id)) = (w.tiles(), fmt_id(w.format())) else {
+        return;
+    };
+    let entries = entries_for(avx512, id);
+    let tiles = n_range.start / TILE..n_range.end.div_ceil(TILE);
+    let call = Call {
+        tiles: buf.as_ptr(),
+        layout: *layout,
+        acts,
+        n_range,
+        out: out.as_mut_ptr(),
+        ldo,
+    };
+    let mr = if avx512 { MR } else { MR_AVX2 };
+    let m_total = acts.m;
+    let chunk = (ACT_BUDGET / acts.k).max(mr);
+    let mut m0 = 0;
+    while m0 < m_total {
+        let m1 = (m0 + chunk).min(m_total);
+        let full = (m1 - m0) / mr * mr;
+        // SAFETY: forwarded contract; ranges inside 0..M and the matrix's tiles.
+        unsafe {
+            if full > 0 {
+                entries[mr - 1](&call, tiles.clone(), m0..m0 + full);
+            }
+            let rest = m1 - m0 - full;
+            if rest > 0 {
+                entries[rest - 1](&call, tiles.clone(), m0 + full..m1);
+            }
+        }
+        m0 = m1;
+    }
+}
