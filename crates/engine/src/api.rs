@@ -1,0 +1,568 @@
+//! The public interface of the engine — the single source of truth for callers (`lockstep
+//! run`, the server, speculation): configuration, requests, the event stream, metrics, and
+//! the two narrow traits the step loop stands on ([`ForwardBackend`], [`TokenConstraint`]).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::thread::JoinHandle;
+
+pub use sampling::{FinishReason, SamplingParams, StopCause, TokenMask};
+
+use crate::step::{self, Shared};
+
+// ---------------------------------------------------------------------------------------
+// Configuration
+// ---------------------------------------------------------------------------------------
+
+/// How the engine schedules and how big its KV pool is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Sequences running at once (decoding or prefilling), at least 1.
+    pub max_seqs: usize,
+    /// Size of the KV block pool in token slots (rounded up to whole blocks by the
+    /// backend). Shared by every sequence and by the prefix cache.
+    pub kv_tokens: usize,
+    /// Rows per forward (the step's token budget): decode rows, prefill chunks and (later)
+    /// verify blocks of all scheduled sequences together. At least 1.
+    pub step_token_budget: usize,
+    /// Largest prefill chunk one sequence gets in one step, so a long prompt never stalls
+    /// the others for more than one chunk. At least 1.
+    pub prefill_chunk: usize,
+    /// Requests waiting for admission (submitted, not yet running) before
+    /// [`Engine::submit`] answers [`SubmitError::Busy`]. At least 1.
+    pub queue_capacity: usize,
+    /// Context length: positions `0..context_len`. `0` = the backend's maximum
+    /// ([`ForwardBackend::max_context`]); larger than that is refused at start.
+    pub context_len: usize,
+    /// Reuse the KV of repeated prompt prefixes (prefix cache). On by default; off gives
+    /// the reference behaviour that tests compare against (the output is identical).
+    pub prefix_cache: bool,
+}
+
+impl Default for EngineConfig {
+    /// 8 sequences, 16,384 KV token slots, 512 rows per step, 256-row prefill chunks, a
+    /// queue of 64, the backend's context, prefix cache on.
+    fn default() -> Self {
+        EngineConfig {
+            max_seqs: 8,
+            kv_tokens: 16_384,
+            step_token_budget: 512,
+            prefill_chunk: 256,
+            queue_capacity: 64,
+            context_len: 0,
+            prefix_cache: true,
+        }
+    }
+}
+
+/// The engine could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A configuration value is out of its domain.
+    #[error("invalid engine configuration: {0}")]
+    Config(String),
+    /// The backend failed to set up (e.g. the KV pool could not be allocated).
+    #[error("backend: {0}")]
+    Backend(#[from] BackendError),
+    /// The step-loop thread could not be spawned.
+    #[error("could not start the engine thread: {0}")]
+    Thread(String),
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// The admission queue is full ([`EngineConfig::queue_capacity`]); try again later
+    /// (HTTP 429/503).
+    #[error("the engine is busy: {queued} requests are already waiting (capacity {capacity})")]
+    Busy {
+        /// Requests waiting.
+        queued: usize,
+        /// The queue capacity.
+        capacity: usize,
+    },
+    /// The request can never run as given (HTTP 400); the message names the numbers, e.g.
+    /// a prompt of 5,000 tokens for a context of 4,096.
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// The engine has shut down or its loop ended.
+    #[error("the engine has shut down")]
+    ShutDown,
+}
+
+// ---------------------------------------------------------------------------------------
+// Requests and the event stream
+// ---------------------------------------------------------------------------------------
+
+/// One generation request: a tokenized prompt and how to continue it.
+pub struct GenerateRequest {
+    /// Prompt token ids (non-empty, every id below the backend's `n_vocab`, shorter than
+    /// the context).
+    pub prompt: Vec<u32>,
+    /// The sampling rule's parameters (the seed included; the caller picks a random seed
+    /// for requests without one and reports it).
+    pub sampling: SamplingParams,
+    /// Generated tokens at most (`None` = until another stop; the context end always
+    /// stops). `Some(0)` finishes at once with [`FinishReason::Length`].
+    pub max_tokens: Option<usize>,
+    /// Stop strings: generation ends where the output text first contains one; it and
+    /// what follows are not emitted. Text that might begin one is held back.
+    pub stop_strings: Vec<String>,
+    /// Keep generating after an end-of-generation token (it is then an ordinary token).
+    pub ignore_eos: bool,
+    /// Report the top-N alternatives (log-probabilities of the raw logits) per position.
+    pub logprobs: Option<usize>,
+    /// Report the SHA-256 of each generated position's full-vocabulary f32 logits
+    /// (little-endian bytes, the raw logits before penalties and masks) — the G1/G2 gate.
+    pub logit_digests: bool,
+    /// A constraint (grammar) every generated token must satisfy.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
+}
+
+impl GenerateRequest {
+    /// A request for `prompt` with `sampling` and everything else off.
+    pub fn new(prompt: Vec<u32>, sampling: SamplingParams) -> GenerateRequest {
+        GenerateRequest {
+            prompt,
+            sampling,
+            max_tokens: None,
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            logit_digests: false,
+            constraint: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for GenerateRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GenerateRequest")
+            .field("prompt_tokens", &self.prompt.len())
+            .field("sampling", &self.sampling)
+            .field("max_tokens", &self.max_tokens)
+            .field("stop_strings", &self.stop_strings)
+            .field("ignore_eos", &self.ignore_eos)
+            .field("logprobs", &self.logprobs)
+            .field("logit_digests", &self.logit_digests)
+            .field("constraint", &self.constraint.is_some())
+            .finish()
+    }
+}
+
+/// Token counts of a finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens (an end-of-generation token that ended the sequence counts).
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    pub cached_tokens: usize,
+}
+
+/// Wall-clock phases of a request, in milliseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Timings {
+    /// Submission → first scheduled (admitted).
+    pub queue_ms: f64,
+    /// First admitted → first token chosen (the prompt's forward).
+    pub prefill_ms: f64,
+    /// First token → finish.
+    pub decode_ms: f64,
+    /// Submission → first token (time to first token).
+    pub ttft_ms: f64,
+}
+
+/// What a request's stream delivers, in order: zero or more `Token`s, then exactly one
+/// `Finished` or `Error`, then nothing.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// One generated token.
+    Token {
+        /// Absolute position of the token (the prompt occupies `0..prompt_len`).
+        position: usize,
+        /// Token id.
+        token: u32,
+        /// Output text that became safe to emit with this token: complete UTF-8, with
+        /// anything that could begin a stop string held back (may be empty). Control tokens
+        /// render as nothing. The concatenation of every `text` and the final
+        /// `Finished::text` is the output.
+        text: String,
+        /// Log-probability of `token` under softmax of the raw logits (T = 1).
+        logprob: f32,
+        /// The top-N alternatives (best first) when [`GenerateRequest::logprobs`] asked.
+        top_logprobs: Option<Vec<(u32, f32)>>,
+        /// SHA-256 of this position's full-vocabulary logits when
+        /// [`GenerateRequest::logit_digests`] asked.
+        logit_sha256: Option<[u8; 32]>,
+    },
+    /// The request ended normally.
+    Finished {
+        /// Why (EOS, stop string, grammar end, `max_tokens`, context end).
+        reason: FinishReason,
+        /// Held-back text released at the end (never part of a stop string).
+        text: String,
+        /// Token counts.
+        usage: Usage,
+        /// Phase timings.
+        timings: Timings,
+    },
+    /// The request failed (a constraint error, a sampling error, a backend fault, engine
+    /// shutdown). Only this request is affected.
+    Error(String),
+}
+
+/// The caller's end of one request: the event stream and cancellation. Dropping the handle
+/// cancels the request (its KV is freed at the next step).
+#[derive(Debug)]
+pub struct RequestHandle {
+    pub(crate) id: u64,
+    pub(crate) events: Receiver<Event>,
+    pub(crate) cancelled: Arc<AtomicBool>,
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl RequestHandle {
+    /// The request id (unique per engine, increasing with submission order).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The next event, blocking; `None` once the stream has ended (after `Finished` or
+    /// `Error`).
+    pub fn recv(&self) -> Option<Event> {
+        self.events.recv().ok()
+    }
+
+    /// The next event if one is ready; `None` when none is ready now or the stream ended
+    /// (see [`RequestHandle::is_closed`]).
+    pub fn try_recv(&self) -> Option<Event> {
+        self.events.try_recv().ok()
+    }
+
+    /// Whether the stream has ended and every event was received.
+    pub fn is_closed(&self) -> bool {
+        matches!(self.events.try_recv(), Err(TryRecvError::Disconnected))
+    }
+
+    /// Cancels the request: the engine ends it at the next step and frees its KV blocks
+    /// at once; no further events are sent. Idempotent.
+    pub fn cancel(&self) {
+        if !self.cancelled.swap(true, Ordering::SeqCst) {
+            self.shared.wake();
+        }
+    }
+
+    /// Blocks until the request ends and collects it (a convenience for tests and batch
+    /// use).
+    pub fn collect(self) -> Completion {
+        let mut out = Completion::default();
+        for event in &self {
+            match event {
+                Event::Token {
+                    token,
+                    text,
+                    logprob,
+                    logit_sha256,
+                    ..
+                } => {
+                    out.tokens.push(token);
+                    out.text.push_str(&text);
+                    out.logprobs.push(logprob);
+                    if let Some(d) = logit_sha256 {
+                        out.logit_sha256.push(d);
+                    }
+                }
+                Event::Finished {
+                    reason,
+                    text,
+                    usage,
+                    timings,
+                } => {
+                    out.text.push_str(&text);
+                    out.finish = Some(reason);
+                    out.usage = usage;
+                    out.timings = timings;
+                }
+                Event::Error(e) => out.error = Some(e),
+            }
+        }
+        out
+    }
+}
+
+impl Drop for RequestHandle {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+impl<'a> IntoIterator for &'a RequestHandle {
+    type Item = Event;
+    type IntoIter = EventIter<'a>;
+    fn into_iter(self) -> EventIter<'a> {
+        EventIter { handle: self }
+    }
+}
+
+/// Blocking iterator over a request's events (ends after `Finished` or `Error`).
+#[derive(Debug)]
+pub struct EventIter<'a> {
+    handle: &'a RequestHandle,
+}
+
+impl Iterator for EventIter<'_> {
+    type Item = Event;
+    fn next(&mut self) -> Option<Event> {
+        self.handle.recv()
+    }
+}
+
+/// A whole request's result, gathered by [`RequestHandle::collect`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Completion {
+    /// Generated token ids.
+    pub tokens: Vec<u32>,
+    /// The output text.
+    pub text: String,
+    /// Log-probability of each generated token.
+    pub logprobs: Vec<f32>,
+    /// Logit digests (when requested).
+    pub logit_sha256: Vec<[u8; 32]>,
+    /// The finish reason (`None` after an error).
+    pub finish: Option<FinishReason>,
+    /// Token counts.
+    pub usage: Usage,
+    /// Phase timings.
+    pub timings: Timings,
+    /// The error that ended the request, if any.
+    pub error: Option<String>,
+}
+
+// ---------------------------------------------------------------------------------------
+// Metrics
+// ---------------------------------------------------------------------------------------
+
+/// A snapshot of the engine's counters.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineMetrics {
+    /// Forward steps run.
+    pub steps: u64,
+    /// Rows computed over all steps.
+    pub rows_total: u64,
+    /// Rows of the last step.
+    pub last_step_rows: usize,
+    /// Mean rows per step.
+    pub mean_rows_per_step: f64,
+    /// Sequences in the last step's batch.
+    pub last_step_seqs: usize,
+    /// Mean of (sequences in the batch / `max_seqs`) over steps.
+    pub mean_batch_occupancy: f64,
+    /// Wall time of the last step (schedule + forward + sampling), ms.
+    pub last_step_ms: f64,
+    /// Mean wall time per step, ms.
+    pub mean_step_ms: f64,
+    /// Tokens whose KV came from the prefix cache (all admissions, re-admissions after
+    /// preemption included).
+    pub prefix_cache_hit_tokens: u64,
+    /// Sequences preempted (KV freed, recomputed later) under KV pressure.
+    pub preemptions: u64,
+    /// Cached prefix blocks evicted (LRU) under KV pressure.
+    pub evictions: u64,
+    /// Requests waiting for admission.
+    pub queue_depth: usize,
+    /// Sequences running.
+    pub running: usize,
+    /// Free KV blocks.
+    pub kv_free_blocks: usize,
+    /// KV blocks in the pool.
+    pub kv_total_blocks: usize,
+    /// Blocks published in the prefix index.
+    pub prefix_cached_blocks: usize,
+    /// Requests that finished normally.
+    pub requests_finished: u64,
+    /// Requests cancelled by the caller.
+    pub requests_cancelled: u64,
+    /// Requests that ended with an error.
+    pub requests_failed: u64,
+}
+
+// ---------------------------------------------------------------------------------------
+// The engine
+// ---------------------------------------------------------------------------------------
+
+/// The engine: owns the step-loop thread, the backend and the KV pool. `submit` may be
+/// called from any thread.
+#[derive(Debug)]
+pub struct Engine {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) thread: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Sets up the backend's KV pool (`cfg.kv_tokens`) and starts the step loop.
+    pub fn start(
+        backend: Box<dyn ForwardBackend>,
+        text: Arc<text::Tokenizer>,
+        cfg: EngineConfig,
+    ) -> Result<Engine, EngineError> {
+        step::start(backend, text, cfg)
+    }
+
+    /// Queues a request. Checked at once: empty prompt, token ids outside the vocabulary,
+    /// a prompt that leaves no room in the context or cannot fit the KV pool, invalid
+    /// sampling parameters or stop strings ([`SubmitError::Invalid`]), and a full queue
+    /// ([`SubmitError::Busy`]).
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle, SubmitError> {
+        step::submit(&self.shared, req)
+    }
+
+    /// A snapshot of the counters.
+    pub fn metrics(&self) -> EngineMetrics {
+        self.shared.metrics()
+    }
+
+    /// The context length in effect (positions `0..context_len`).
+    pub fn context_len(&self) -> usize {
+        self.shared.limits.context_len
+    }
+
+    /// The logit width of the backend.
+    pub fn n_vocab(&self) -> usize {
+        self.shared.limits.n_vocab
+    }
+
+    /// Stops the loop: requests still queued or running end with
+    /// `Event::Error("engine shut down")`; every KV block is given back.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.shared.request_shutdown();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Backend interface
+// ---------------------------------------------------------------------------------------
+
+/// An opaque handle to one sequence's KV block table inside a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KvSlot(pub u32);
+
+/// One row of a batched forward: `token` of the sequence `slot` at absolute position `pos`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForwardRow {
+    /// The sequence.
+    pub slot: KvSlot,
+    /// Token id.
+    pub token: u32,
+    /// Absolute position.
+    pub pos: usize,
+    /// Whether this row's logits are wanted.
+    pub wants_logits: bool,
+}
+
+/// Backend failures.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// The KV pool lacks blocks (nothing was changed).
+    #[error("KV pool out of blocks: {needed} needed, {free} free")]
+    OutOfBlocks {
+        /// Blocks the operation needed.
+        needed: usize,
+        /// Blocks free.
+        free: usize,
+    },
+    /// A slot that does not exist (released or never created).
+    #[error("unknown KV slot {0}")]
+    UnknownSlot(u32),
+    /// Anything else (a model fault, a malformed batch).
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A model plus its paged KV cache, as the step loop sees it: KV bookkeeping per sequence
+/// (opaque [`KvSlot`]s over refcounted blocks) and one batched forward over rows of
+/// several sequences. Implemented by [`crate::ModelBackend`] (the real model) and
+/// [`crate::FakeBackend`] (deterministic pseudo-logits for tests).
+///
+/// Contract (G1): a row's logits depend only on its sequence's tokens at positions
+/// `0..=pos`, never on the other rows of the batch or how the sequence was split into
+/// forwards.
+pub trait ForwardBackend: Send {
+    /// Width of a logit row.
+    fn n_vocab(&self) -> usize;
+    /// The largest context the backend supports (positions `0..max_context`).
+    fn max_context(&self) -> usize;
+    /// (Re)creates the KV pool with room for `max_tokens` token slots (whole blocks);
+    /// every slot is dropped. Called once by [`Engine::start`].
+    fn init_kv(&mut self, max_tokens: usize) -> Result<(), BackendError>;
+    /// Tokens per KV block.
+    fn block_size(&self) -> usize;
+    /// Blocks in the pool.
+    fn total_blocks(&self) -> usize;
+    /// Blocks free now.
+    fn free_blocks(&self) -> usize;
+    /// A new empty sequence.
+    fn kv_new(&mut self) -> KvSlot;
+    /// A new sequence sharing `src`'s blocks for positions `0..len` (refcounts + 1; `len`
+    /// is clamped to `src`'s length). Writing into a shared block copies it first.
+    fn kv_fork(&mut self, src: KvSlot, len: usize) -> Result<KvSlot, BackendError>;
+    /// Positions reserved in `slot`.
+    fn kv_len(&self, slot: KvSlot) -> usize;
+    /// Prepares `slot` for writing positions `from..to`: cuts it back to `from`, reserves
+    /// blocks up to `to`, and copies shared blocks at or after `from` (copy-on-write).
+    /// [`BackendError::OutOfBlocks`] when the pool is short (see
+    /// [`ForwardBackend::kv_blocks_needed`]).
+    fn kv_prepare(&mut self, slot: KvSlot, from: usize, to: usize) -> Result<(), BackendError>;
+    /// Free blocks [`ForwardBackend::kv_prepare`] with these arguments would take.
+    fn kv_blocks_needed(&self, slot: KvSlot, from: usize, to: usize) -> usize;
+    /// Rolls `slot` back to `len` positions (speculative rollback; copy-free).
+    fn kv_truncate(&mut self, slot: KvSlot, len: usize);
+    /// Gives back every block of `slot`; the slot is gone.
+    fn kv_release(&mut self, slot: KvSlot);
+    /// One batched forward. Rows of one sequence are consecutive positions in row order,
+    /// starting at most at its cached length, inside space made by
+    /// [`ForwardBackend::kv_prepare`]. `logits` is cleared, then gets `n_vocab` values for
+    /// each row with `wants_logits`, in row order.
+    fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError>;
+}
+
+// ---------------------------------------------------------------------------------------
+// Constraint interface
+// ---------------------------------------------------------------------------------------
+
+/// A structured-output constraint over tokens (a grammar matcher). The engine asks for the
+/// mask before each choice of a constrained sequence, consumes the chosen token, and stops
+/// with [`StopCause::GrammarEnd`] once `is_finished`. An `Err` from any method ends only
+/// that request, with [`Event::Error`].
+pub trait TokenConstraint: Send {
+    /// Writes the set of tokens allowed next into `mask` (the engine passes a mask of the
+    /// backend's `n_vocab`; the implementation may resize it).
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String>;
+    /// Advances over `token` (which the last mask allowed).
+    fn consume(&mut self, token: u32) -> Result<(), String>;
+    /// Whether the output is complete (nothing but end-of-generation may follow).
+    fn is_finished(&self) -> bool;
+    /// Undoes the last `n` consumed tokens (speculative rollback).
+    fn rollback(&mut self, n: usize) -> Result<(), String>;
+    /// An independent copy in the same state (the speculative mirror).
+    fn fork(&self) -> Box<dyn TokenConstraint>;
+    /// Tokens the constraint forces from here (grammar fast-forward); empty = free choice.
+    fn forced_tokens(&mut self) -> Vec<u32> {
+        Vec::new()
+    }
+}

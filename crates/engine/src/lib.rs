@@ -1,0 +1,57 @@
+//! The engine: continuous-batching scheduler, sequences, prefix reuse, preemption,
+//! cancellation and the event stream callers consume.
+//!
+//! [`Engine::start`] takes a [`ForwardBackend`] (the real [`ModelBackend`], or
+//! [`FakeBackend`] in tests) and a tokenizer and runs the step loop on its own thread.
+//! Callers [`Engine::submit`] a [`GenerateRequest`] and read [`Event`]s from the
+//! [`RequestHandle`]. Each step runs **one** batched forward over rows of several
+//! sequences — decode rows, prefill chunks (and, with speculation, verify blocks) — and a
+//! sequence's output never depends on its neighbours (G1), on prefix reuse or on
+//! preemption: the engine's tests check bit-identical logit digests for each.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use lockstep_engine::{Engine, EngineConfig, Event, GenerateRequest, ModelBackend, SamplingParams};
+//!
+//! let file = Arc::new(gguf::GgufFile::open("model.gguf")?);
+//! let tok = Arc::new(text::Tokenizer::from_gguf(&file)?);
+//! let model = Arc::new(model::Model::load(file, &model::LoadOptions::default())?);
+//! let engine = Engine::start(Box::new(ModelBackend::new(model)), tok.clone(), EngineConfig::default())?;
+//! let prompt = tok.encode("Hello", text::EncodeOptions::raw_prompt());
+//! let mut req = GenerateRequest::new(prompt, SamplingParams::greedy());
+//! req.max_tokens = Some(16);
+//! let handle = engine.submit(req)?;
+//! for event in &handle {
+//!     match event {
+//!         Event::Token { text, .. } => print!("{text}"),
+//!         Event::Finished { text, reason, .. } => println!("{text} [{reason}]"),
+//!         Event::Error(e) => eprintln!("error: {e}"),
+//!     }
+//! }
+//! engine.shutdown();
+//! # Ok(()) }
+//! ```
+//!
+//! Layout: [`api`] (every public type: the contract), [`scheduler`] (pure planning over
+//! plain numbers), [`prefix`] (the block-hash prefix index), `step` (the loop), `fake`
+//! and `model_backend` (the two backends), `slots` (KV slot bookkeeping shared by both).
+
+pub mod api;
+mod fake;
+#[cfg(feature = "grammar")]
+mod grammar_constraint;
+mod model_backend;
+pub mod prefix;
+pub mod scheduler;
+mod slots;
+mod step;
+
+pub use api::{
+    BackendError, Completion, Engine, EngineConfig, EngineError, EngineMetrics, Event, EventIter,
+    FinishReason, ForwardBackend, ForwardRow, GenerateRequest, KvSlot, RequestHandle,
+    SamplingParams, StopCause, SubmitError, Timings, TokenConstraint, TokenMask, Usage,
+};
+pub use fake::{FakeBackend, FakeStats, fake_logits};
+pub use model_backend::ModelBackend;
+pub use step::logit_digest;

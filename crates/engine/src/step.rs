@@ -1,0 +1,969 @@
+//! The step loop: one thread owns the backend; each step it takes new requests, reaps
+//! cancellations, asks the [scheduler](crate::scheduler) for a plan, carries it out on the
+//! KV pool (preempt, admit with prefix reuse, evict, prepare), runs **one** batched forward
+//! over the rows of every scheduled sequence, and chooses the next token of each sequence
+//! whose catch-up is complete, with the sampling crate's one rule.
+//!
+//! Speculation hooks: a sequence's `extra_rows` (verify drafts) already flows through the
+//! scheduler; [`Loop::rows_for`] is where the verify block's draft rows join the batch, and
+//! [`Loop::choose_at`] where a verifier walks several logit rows and rolls KV back with
+//! `ForwardBackend::kv_truncate` on rejection.
+
+use crate::api::{
+    BackendError, EngineConfig, EngineError, EngineMetrics, Event, FinishReason, ForwardBackend,
+    ForwardRow, GenerateRequest, KvSlot, RequestHandle, StopCause, SubmitError, Timings,
+    TokenConstraint, TokenMask, Usage,
+};
+use crate::prefix::{BlockHash, PrefixIndex, chain_hash};
+use crate::scheduler::{KvBudget, RunningSeq, SchedLimits, StepPlan, WaitingSeq, plan_step};
+use sampling::{ChoiceContext, Sampler, SamplingParams, StopChecker, StopStep};
+use sha2::{Digest, Sha256};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+use text::{DecodeOptions, StreamDecoder, Tokenizer};
+
+/// Fixed facts the submitting side checks requests against.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    pub(crate) context_len: usize,
+    pub(crate) n_vocab: usize,
+    pub(crate) block_size: usize,
+    pub(crate) total_blocks: usize,
+    pub(crate) queue_capacity: usize,
+}
+
+/// A submitted request on its way to the loop.
+struct Pending {
+    id: u64,
+    req: GenerateRequest,
+    stop: StopChecker,
+    events: Sender<Event>,
+    cancelled: Arc<AtomicBool>,
+    submitted: Instant,
+}
+
+#[derive(Default)]
+struct Inbox {
+    incoming: VecDeque<Pending>,
+    /// Requests submitted and not yet admitted (incoming + waiting in the loop).
+    queued: usize,
+    shutdown: bool,
+    /// The loop has ended: no more submissions.
+    closed: bool,
+}
+
+/// State shared by the engine handle, request handles and the loop.
+pub(crate) struct Shared {
+    pub(crate) limits: Limits,
+    inbox: Mutex<Inbox>,
+    cv: Condvar,
+    metrics: Mutex<EngineMetrics>,
+    next_id: AtomicU64,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("limits", &self.limits)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    /// Wakes the loop (a cancellation or new work).
+    pub(crate) fn wake(&self) {
+        let _g = lock(&self.inbox);
+        self.cv.notify_all();
+    }
+
+    pub(crate) fn request_shutdown(&self) {
+        let mut g = lock(&self.inbox);
+        g.shutdown = true;
+        self.cv.notify_all();
+    }
+
+    pub(crate) fn metrics(&self) -> EngineMetrics {
+        let mut m = lock(&self.metrics).clone();
+        m.queue_depth = lock(&self.inbox).queued;
+        m
+    }
+}
+
+pub(crate) fn start(
+    mut backend: Box<dyn ForwardBackend>,
+    text: Arc<Tokenizer>,
+    cfg: EngineConfig,
+) -> Result<crate::Engine, EngineError> {
+    for (name, v) in [
+        ("max_seqs", cfg.max_seqs),
+        ("kv_tokens", cfg.kv_tokens),
+        ("step_token_budget", cfg.step_token_budget),
+        ("prefill_chunk", cfg.prefill_chunk),
+        ("queue_capacity", cfg.queue_capacity),
+    ] {
+        if v == 0 {
+            return Err(EngineError::Config(format!("{name} must be at least 1")));
+        }
+    }
+    let max_ctx = backend.max_context();
+    let context_len = match cfg.context_len {
+        0 => max_ctx,
+        n if n > max_ctx => {
+            return Err(EngineError::Config(format!(
+                "context_len {n} exceeds the backend's maximum context of {max_ctx} tokens"
+            )));
+        }
+        n => n,
+    };
+    backend.init_kv(cfg.kv_tokens)?;
+    let limits = Limits {
+        context_len,
+        n_vocab: backend.n_vocab(),
+        block_size: backend.block_size().max(1),
+        total_blocks: backend.total_blocks(),
+        queue_capacity: cfg.queue_capacity,
+    };
+    let shared = Arc::new(Shared {
+        limits,
+        inbox: Mutex::new(Inbox::default()),
+        cv: Condvar::new(),
+        metrics: Mutex::new(EngineMetrics {
+            kv_total_blocks: limits.total_blocks,
+            kv_free_blocks: backend.free_blocks(),
+            ..EngineMetrics::default()
+        }),
+        next_id: AtomicU64::new(1),
+    });
+    let loop_shared = shared.clone();
+    let thread = std::thread::Builder::new()
+        .name("lockstep-engine".into())
+        .spawn(move || run(loop_shared, backend, text, cfg))
+        .map_err(|e| EngineError::Thread(e.to_string()))?;
+    Ok(crate::Engine {
+        shared,
+        thread: Some(thread),
+    })
+}
+
+pub(crate) fn submit(
+    shared: &Arc<Shared>,
+    req: GenerateRequest,
+) -> Result<RequestHandle, SubmitError> {
+    let l = shared.limits;
+    if req.prompt.is_empty() {
+        return Err(SubmitError::Invalid("the prompt is empty".into()));
+    }
+    if let Some((i, &t)) = req
+        .prompt
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t as usize >= l.n_vocab)
+    {
+        return Err(SubmitError::Invalid(format!(
+            "prompt token {i} has id {t}, outside the vocabulary of {} ids",
+            l.n_vocab
+        )));
+    }
+    if req.prompt.len() >= l.context_len {
+        return Err(SubmitError::Invalid(format!(
+            "the prompt has {} tokens but the context is {} tokens: no room to generate \
+             (the prompt must be shorter than the context)",
+            req.prompt.len(),
+            l.context_len
+        )));
+    }
+    let blocks = (req.prompt.len() + 1).div_ceil(l.block_size);
+    if blocks > l.total_blocks {
+        return Err(SubmitError::Invalid(format!(
+            "the prompt has {} tokens but the KV pool holds {} tokens ({} blocks of {})",
+            req.prompt.len(),
+            l.total_blocks * l.block_size,
+            l.total_blocks,
+            l.block_size
+        )));
+    }
+    req.sampling
+        .validate()
+        .map_err(|e| SubmitError::Invalid(e.to_string()))?;
+    let stop = StopChecker::new(req.stop_strings.iter().cloned())
+        .map_err(|e| SubmitError::Invalid(e.to_string()))?;
+
+    let mut inbox = lock(&shared.inbox);
+    if inbox.closed || inbox.shutdown {
+        return Err(SubmitError::ShutDown);
+    }
+    if inbox.queued >= l.queue_capacity {
+        return Err(SubmitError::Busy {
+            queued: inbox.queued,
+            capacity: l.queue_capacity,
+        });
+    }
+    let id = shared.next_id.fetch_add(1, Ordering::SeqCst);
+    let (tx, rx) = channel();
+    let cancelled = Arc::new(AtomicBool::new(false));
+    inbox.incoming.push_back(Pending {
+        id,
+        req,
+        stop,
+        events: tx,
+        cancelled: cancelled.clone(),
+        submitted: Instant::now(),
+    });
+    inbox.queued += 1;
+    shared.cv.notify_all();
+    drop(inbox);
+    Ok(RequestHandle {
+        id,
+        events: rx,
+        cancelled,
+        shared: shared.clone(),
+    })
+}
+
+/// One sequence: its request, its committed tokens and how far its KV is computed.
+struct Seq<'t> {
+    id: u64,
+    events: Sender<Event>,
+    cancelled: Arc<AtomicBool>,
+    /// Prompt followed by the generated tokens (all committed).
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    params: SamplingParams,
+    max_tokens: Option<usize>,
+    ignore_eos: bool,
+    logprobs: Option<usize>,
+    digests: bool,
+    constraint: Option<Box<dyn TokenConstraint>>,
+    decoder: StreamDecoder<'t>,
+    stop: StopChecker,
+    /// The KV sequence while running.
+    slot: Option<KvSlot>,
+    /// Positions `0..computed` have their KV written.
+    computed: usize,
+    /// A shared, partly reused block will be copied at the next write.
+    cow_pending: bool,
+    /// Chained hashes of the full blocks of `tokens`.
+    hashes: Vec<BlockHash>,
+    /// Prefix-index entries this sequence holds a use of.
+    used: Vec<BlockHash>,
+    /// Blocks of the chain already considered for publishing.
+    published: usize,
+    /// Prompt tokens reused at the first admission.
+    cached_tokens: Option<usize>,
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+}
+
+impl Seq<'_> {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    fn extend_hashes(&mut self, bs: usize) {
+        while (self.hashes.len() + 1) * bs <= self.tokens.len() {
+            let d = self.hashes.len();
+            let h = chain_hash(self.hashes.last(), &self.tokens[d * bs..(d + 1) * bs]);
+            self.hashes.push(h);
+        }
+    }
+
+    fn send(&self, e: Event) -> bool {
+        self.events.send(e).is_ok()
+    }
+}
+
+/// How a sequence leaves the engine.
+enum Exit {
+    Finished(FinishReason),
+    Failed(String),
+    Cancelled,
+}
+
+/// The loop's state (lives on the engine thread).
+struct Loop<'t> {
+    shared: Arc<Shared>,
+    backend: Box<dyn ForwardBackend>,
+    tok: &'t Tokenizer,
+    cfg: EngineConfig,
+    limits: Limits,
+    running: Vec<Seq<'t>>,
+    waiting: VecDeque<Seq<'t>>,
+    index: PrefixIndex,
+    sampler: Sampler,
+    never: TokenMask,
+    mask: TokenMask,
+    logits: Vec<f32>,
+    metrics: EngineMetrics,
+    step_ms_total: f64,
+    occupancy_total: f64,
+}
+
+fn run(
+    shared: Arc<Shared>,
+    backend: Box<dyn ForwardBackend>,
+    tok: Arc<Tokenizer>,
+    cfg: EngineConfig,
+) {
+    let tok_ref: &Tokenizer = &tok;
+    let limits = shared.limits;
+    let mut never = TokenMask::new(limits.n_vocab);
+    for &t in tok_ref.never_sample_ids() {
+        let _ = never.set(t, true);
+    }
+    for t in tok_ref.vocab_size()..limits.n_vocab {
+        let _ = never.set(t as u32, true);
+    }
+    let mut lp = Loop {
+        shared: shared.clone(),
+        backend,
+        tok: tok_ref,
+        cfg,
+        limits,
+        running: Vec::new(),
+        waiting: VecDeque::new(),
+        index: PrefixIndex::new(),
+        sampler: Sampler::new(),
+        never,
+        mask: TokenMask::new(limits.n_vocab),
+        logits: Vec::new(),
+        metrics: lock(&shared.metrics).clone(),
+        step_ms_total: 0.0,
+        occupancy_total: 0.0,
+    };
+    loop {
+        let incoming = {
+            let mut inbox = lock(&shared.inbox);
+            loop {
+                if inbox.shutdown {
+                    inbox.closed = true;
+                    break None;
+                }
+                if !inbox.incoming.is_empty() || lp.has_work() {
+                    break Some(std::mem::take(&mut inbox.incoming));
+                }
+                inbox = shared.cv.wait(inbox).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        let Some(incoming) = incoming else { break };
+        for p in incoming {
+            lp.accept(p);
+        }
+        lp.reap_cancelled();
+        if !lp.running.is_empty() || !lp.waiting.is_empty() {
+            lp.step();
+        }
+        lp.publish_metrics();
+    }
+    lp.shutdown();
+}
+
+impl<'t> Loop<'t> {
+    fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    fn dequeue(&self) {
+        let mut inbox = lock(&self.shared.inbox);
+        inbox.queued = inbox.queued.saturating_sub(1);
+    }
+
+    /// A new request joins the waiting queue (or finishes at once for `max_tokens: 0`).
+    fn accept(&mut self, p: Pending) {
+        let req = p.req;
+        let seq = Seq {
+            id: p.id,
+            events: p.events,
+            cancelled: p.cancelled,
+            prompt_len: req.prompt.len(),
+            tokens: req.prompt,
+            params: req.sampling,
+            max_tokens: req.max_tokens,
+            ignore_eos: req.ignore_eos,
+            logprobs: req.logprobs,
+            digests: req.logit_digests,
+            constraint: req.constraint,
+            decoder: self
+                .tok
+                .stream_decoder(DecodeOptions { skip_special: true }),
+            stop: p.stop,
+            slot: None,
+            computed: 0,
+            cow_pending: false,
+            hashes: Vec::new(),
+            used: Vec::new(),
+            published: 0,
+            cached_tokens: None,
+            submitted: p.submitted,
+            admitted: None,
+            first_token: None,
+        };
+        if seq.max_tokens == Some(0) {
+            self.dequeue();
+            self.end(seq, Exit::Finished(FinishReason::Length));
+            return;
+        }
+        self.waiting.push_back(seq);
+    }
+
+    /// Gives back a sequence's KV and prefix-index uses.
+    fn free_kv(&mut self, seq: &mut Seq<'t>) {
+        if let Some(slot) = seq.slot.take() {
+            self.backend.kv_release(slot);
+        }
+        self.index.release(&seq.used);
+        seq.used.clear();
+        seq.computed = 0;
+        seq.cow_pending = false;
+        seq.published = 0;
+    }
+
+    /// Ends a sequence: frees everything, updates the counters, sends the last event
+    /// (after the counters are published, so a caller that saw it sees them).
+    fn end(&mut self, mut seq: Seq<'t>, exit: Exit) {
+        self.free_kv(&mut seq);
+        if seq.admitted.is_none() && !matches!(exit, Exit::Finished(_)) {
+            // Left before ever being admitted.
+            self.dequeue();
+        }
+        match exit {
+            Exit::Finished(_) => self.metrics.requests_finished += 1,
+            Exit::Failed(_) => self.metrics.requests_failed += 1,
+            Exit::Cancelled => self.metrics.requests_cancelled += 1,
+        }
+        self.publish_metrics();
+        match exit {
+            Exit::Finished(reason) => {
+                let text = final_text(&mut seq, reason);
+                let now = Instant::now();
+                let ms =
+                    |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
+                let admitted = seq.admitted.unwrap_or(now);
+                let first = seq.first_token.unwrap_or(now);
+                let timings = Timings {
+                    queue_ms: ms(seq.submitted, admitted),
+                    prefill_ms: ms(admitted, first),
+                    decode_ms: ms(first, now),
+                    ttft_ms: ms(seq.submitted, first),
+                };
+                let usage = Usage {
+                    prompt_tokens: seq.prompt_len,
+                    completion_tokens: seq.generated(),
+                    cached_tokens: seq.cached_tokens.unwrap_or(0),
+                };
+                seq.send(Event::Finished {
+                    reason,
+                    text,
+                    usage,
+                    timings,
+                });
+            }
+            Exit::Failed(msg) => {
+                seq.send(Event::Error(msg));
+            }
+            Exit::Cancelled => {}
+        }
+    }
+
+    fn reap_cancelled(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].cancelled.load(Ordering::SeqCst) {
+                let s = self.running.remove(i);
+                self.end(s, Exit::Cancelled);
+            } else {
+                i += 1;
+            }
+        }
+        let mut i = 0;
+        while i < self.waiting.len() {
+            if self.waiting[i].cancelled.load(Ordering::SeqCst) {
+                if let Some(s) = self.waiting.remove(i) {
+                    self.end(s, Exit::Cancelled);
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// The prefix reuse a waiting sequence would get: (cached tokens, match).
+    fn prefix_match(&self, seq: &Seq<'t>) -> (usize, crate::prefix::PrefixMatch) {
+        if !self.cfg.prefix_cache {
+            return (0, Default::default());
+        }
+        let m = self
+            .index
+            .lookup(&seq.hashes, &seq.tokens, self.limits.block_size);
+        // The last token is always computed: its row gives the logits of the next choice.
+        let cached = (m.blocks * self.limits.block_size).min(seq.tokens.len().saturating_sub(1));
+        if cached == 0 {
+            return (0, Default::default());
+        }
+        (cached, m)
+    }
+
+    fn step(&mut self) {
+        let t0 = Instant::now();
+        let bs = self.limits.block_size;
+        let sched_limits = SchedLimits {
+            max_seqs: self.cfg.max_seqs,
+            step_token_budget: self.cfg.step_token_budget,
+            prefill_chunk: self.cfg.prefill_chunk,
+            block_size: bs,
+        };
+        let running: Vec<RunningSeq> = self
+            .running
+            .iter()
+            .map(|s| RunningSeq {
+                id: s.id,
+                computed: s.computed,
+                total: s.tokens.len(),
+                extra_rows: 0,
+                cow_blocks: usize::from(s.cow_pending),
+            })
+            .collect();
+        let look = self.cfg.max_seqs.saturating_sub(self.running.len()) + 1;
+        let mut waiting = Vec::new();
+        for s in self.waiting.iter_mut().take(look) {
+            s.extend_hashes(bs);
+        }
+        for s in self.waiting.iter().take(look) {
+            let (cached, m) = self.prefix_match(s);
+            waiting.push(WaitingSeq {
+                id: s.id,
+                total: s.tokens.len(),
+                cached_tokens: cached,
+                cached_blocks: if cached > 0 { m.blocks } else { 0 },
+                cached_idle_blocks: if cached > 0 { m.idle } else { 0 },
+                cow_blocks: usize::from(cached > 0 && cached < m.blocks * bs),
+            });
+        }
+        let kv = KvBudget {
+            free_blocks: self.backend.free_blocks(),
+            evictable_blocks: self.index.idle_count(),
+            total_blocks: self.backend.total_blocks(),
+        };
+        let plan = plan_step(&sched_limits, &running, &waiting, kv);
+        self.apply(plan, t0);
+    }
+
+    fn position_running(&self, id: u64) -> Option<usize> {
+        self.running.iter().position(|s| s.id == id)
+    }
+
+    /// Preempts a running sequence: its KV is freed, it goes back to the queue front and
+    /// is recomputed (prompt + generated) when readmitted — with identical results (G1).
+    fn preempt(&mut self, id: u64) -> Option<Seq<'t>> {
+        let at = self.position_running(id)?;
+        let mut s = self.running.remove(at);
+        self.free_kv(&mut s);
+        self.metrics.preemptions += 1;
+        Some(s)
+    }
+
+    fn requeue(&mut self, mut back: Vec<Seq<'t>>) {
+        back.sort_by_key(|s| s.id);
+        for s in back.into_iter().rev() {
+            self.waiting.push_front(s);
+        }
+    }
+
+    /// Admits the waiting sequence `id`: a new KV sequence, forked from the prefix cache
+    /// where a prefix matches.
+    fn admit(&mut self, id: u64) -> Result<(), ()> {
+        let at = self.waiting.iter().position(|s| s.id == id).ok_or(())?;
+        let mut s = self.waiting.remove(at).ok_or(())?;
+        let bs = self.limits.block_size;
+        s.extend_hashes(bs);
+        let (cached, m) = self.prefix_match(&s);
+        let slot = match m.holder {
+            Some(holder) if cached > 0 => match self.backend.kv_fork(holder, m.blocks * bs) {
+                Ok(slot) => {
+                    self.index.acquire(&s.hashes[..m.blocks]);
+                    s.used = s.hashes[..m.blocks].to_vec();
+                    s.computed = cached;
+                    s.cow_pending = cached < m.blocks * bs;
+                    s.published = m.blocks;
+                    self.metrics.prefix_cache_hit_tokens += cached as u64;
+                    slot
+                }
+                Err(_) => self.backend.kv_new(),
+            },
+            _ => self.backend.kv_new(),
+        };
+        s.slot = Some(slot);
+        if s.admitted.is_none() {
+            s.admitted = Some(Instant::now());
+            s.cached_tokens = Some(s.computed.min(s.prompt_len));
+            self.dequeue();
+        }
+        self.running.push(s);
+        Ok(())
+    }
+
+    /// Frees blocks from the prefix cache (LRU) until `needed` are free.
+    fn evict_for(&mut self, needed: usize) {
+        while self.backend.free_blocks() < needed {
+            match self.index.evict_one() {
+                Some(holder) => {
+                    self.backend.kv_release(holder);
+                    self.metrics.evictions += 1;
+                }
+                None => break,
+            }
+        }
+    }
+
+    fn apply(&mut self, plan: StepPlan, t0: Instant) {
+        let mut back = Vec::new();
+        for &id in &plan.preempt {
+            if let Some(s) = self.preempt(id) {
+                back.push(s);
+            }
+        }
+        for &id in &plan.too_large {
+            let seq = match self.position_running(id) {
+                Some(at) => Some(self.running.remove(at)),
+                None => self
+                    .waiting
+                    .iter()
+                    .position(|s| s.id == id)
+                    .and_then(|at| self.waiting.remove(at)),
+            };
+            if let Some(s) = seq {
+                let msg = format!(
+                    "the KV pool ({} blocks of {} tokens) cannot hold this sequence of {} tokens",
+                    self.limits.total_blocks,
+                    self.limits.block_size,
+                    s.tokens.len() + 1
+                );
+                self.end(s, Exit::Failed(msg));
+            }
+        }
+        for &id in &plan.admit {
+            let _ = self.admit(id);
+        }
+        // Prepare every granted sequence's KV, evicting cached blocks on demand.
+        let mut grants: Vec<(u64, usize)> = Vec::new();
+        for g in &plan.grants {
+            let Some(at) = self.position_running(g.id) else {
+                continue;
+            };
+            let (slot, from) = match self.running[at].slot {
+                Some(slot) => (slot, self.running[at].computed),
+                None => continue,
+            };
+            let to = from + g.rows;
+            let needed = self.backend.kv_blocks_needed(slot, from, to);
+            self.evict_for(needed);
+            match self.backend.kv_prepare(slot, from, to) {
+                Ok(()) => {
+                    self.running[at].cow_pending = false;
+                    grants.push((g.id, g.rows));
+                }
+                Err(BackendError::OutOfBlocks { .. }) => {
+                    // The plan and the pool disagree (should not happen): wait, recompute.
+                    if let Some(s) = self.preempt(g.id) {
+                        back.push(s);
+                    }
+                }
+                Err(e) => {
+                    let s = self.running.remove(at);
+                    self.end(s, Exit::Failed(format!("KV cache: {e}")));
+                }
+            }
+        }
+        self.requeue(back);
+        if grants.is_empty() {
+            return;
+        }
+        let rows_total: usize = grants.iter().map(|g| g.1).sum();
+        let rows = self.rows_for(&grants);
+        let mut logits = std::mem::take(&mut self.logits);
+        let ok = self.backend.forward(&rows, &mut logits);
+        let mut done: Vec<(u64, usize, Result<Vec<f32>, String>)> = Vec::new();
+        match ok {
+            Ok(()) => {
+                let n = self.limits.n_vocab;
+                let mut at = 0;
+                for &(id, r) in &grants {
+                    let wants = self.wants_logits(id, r);
+                    let l = if wants {
+                        let row = logits.get(at * n..(at + 1) * n).map(<[f32]>::to_vec);
+                        at += 1;
+                        row.ok_or_else(|| "the backend returned too few logit rows".to_string())
+                    } else {
+                        Ok(Vec::new())
+                    };
+                    done.push((id, r, l));
+                }
+            }
+            Err(_) => {
+                // Isolate the fault: rerun each sequence alone (G1 makes the results the
+                // same); only the sequences that fail alone end with an error.
+                for &(id, r) in &grants {
+                    let rows = self.rows_for(&[(id, r)]);
+                    let l = match self.backend.forward(&rows, &mut logits) {
+                        Ok(()) if self.wants_logits(id, r) => Ok(logits.clone()),
+                        Ok(()) => Ok(Vec::new()),
+                        Err(e) => Err(format!("forward failed: {e}")),
+                    };
+                    done.push((id, r, l));
+                }
+            }
+        }
+        self.logits = logits;
+        // Step counters first, so they are visible before any event of this step.
+        let n_seqs = done.len();
+        let m = &mut self.metrics;
+        m.steps += 1;
+        m.rows_total += rows_total as u64;
+        m.last_step_rows = rows_total;
+        m.last_step_seqs = n_seqs;
+        m.mean_rows_per_step = m.rows_total as f64 / m.steps as f64;
+        self.occupancy_total += n_seqs as f64 / self.cfg.max_seqs as f64;
+        m.mean_batch_occupancy = self.occupancy_total / m.steps as f64;
+        for (id, r, l) in done {
+            let Some(at) = self.position_running(id) else {
+                continue;
+            };
+            match l {
+                Err(msg) => {
+                    let s = self.running.remove(at);
+                    self.end(s, Exit::Failed(msg));
+                }
+                Ok(l) => {
+                    self.running[at].computed += r;
+                    self.publish_blocks(at);
+                    if !l.is_empty()
+                        && let Some(exit) = self.choose_at(at, &l)
+                    {
+                        let s = self.running.remove(at);
+                        self.end(s, exit);
+                    }
+                }
+            }
+        }
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let m = &mut self.metrics;
+        m.last_step_ms = ms;
+        self.step_ms_total += ms;
+        m.mean_step_ms = self.step_ms_total / m.steps as f64;
+    }
+
+    /// Whether a grant of `rows` completes the sequence's catch-up (its last row's logits
+    /// choose the next token).
+    fn wants_logits(&self, id: u64, rows: usize) -> bool {
+        self.position_running(id)
+            .map(|at| {
+                let s = &self.running[at];
+                s.computed + rows == s.tokens.len()
+            })
+            .unwrap_or(false)
+    }
+
+    /// The forward rows of the grants. Speculation adds a verify block's draft rows here
+    /// (all with logits) after the committed catch-up rows.
+    fn rows_for(&self, grants: &[(u64, usize)]) -> Vec<ForwardRow> {
+        let mut rows = Vec::new();
+        for &(id, r) in grants {
+            let Some(at) = self.position_running(id) else {
+                continue;
+            };
+            let s = &self.running[at];
+            let Some(slot) = s.slot else { continue };
+            let to = s.computed + r;
+            for pos in s.computed..to {
+                rows.push(ForwardRow {
+                    slot,
+                    token: s.tokens[pos],
+                    pos,
+                    wants_logits: pos + 1 == to && to == s.tokens.len(),
+                });
+            }
+        }
+        rows
+    }
+
+    /// Publishes the sequence's full, committed, computed blocks to the prefix index.
+    fn publish_blocks(&mut self, at: usize) {
+        if !self.cfg.prefix_cache {
+            return;
+        }
+        let bs = self.limits.block_size;
+        let s = &mut self.running[at];
+        s.extend_hashes(bs);
+        let Some(slot) = s.slot else { return };
+        let limit = s.computed.min(s.tokens.len()) / bs;
+        while s.published < limit.min(s.hashes.len()) {
+            let d = s.published;
+            s.published += 1;
+            let h = s.hashes[d];
+            if self.index.contains(&h) {
+                continue;
+            }
+            let Ok(holder) = self.backend.kv_fork(slot, (d + 1) * bs) else {
+                break;
+            };
+            let parent = if d > 0 { Some(s.hashes[d - 1]) } else { None };
+            if self
+                .index
+                .publish(h, parent, &s.tokens[d * bs..(d + 1) * bs], holder)
+            {
+                s.used.push(h);
+            } else {
+                self.backend.kv_release(holder);
+            }
+        }
+    }
+
+    /// Chooses the next token of running sequence `at` from its logits, emits it, and says
+    /// whether the sequence ends. A verifier walks several rows here.
+    fn choose_at(&mut self, at: usize, logits: &[f32]) -> Option<Exit> {
+        let s = &mut self.running[at];
+        let position = s.tokens.len();
+        let allowed = match s.constraint.as_mut() {
+            Some(c) => match c.compute_mask(&mut self.mask) {
+                Ok(()) => Some(&self.mask),
+                Err(e) => return Some(Exit::Failed(format!("constraint: {e}"))),
+            },
+            None => None,
+        };
+        let ctx = ChoiceContext {
+            prompt_tokens: &s.tokens[..s.prompt_len],
+            generated_tokens: &s.tokens[s.prompt_len..],
+            position: position as u64,
+        };
+        let choice = match self
+            .sampler
+            .choose(logits, &ctx, &s.params, allowed, &self.never)
+        {
+            Ok(c) => c,
+            Err(e) => return Some(Exit::Failed(format!("sampling: {e}"))),
+        };
+        let token = choice.token;
+        if let Some(c) = s.constraint.as_mut()
+            && let Err(e) = c.consume(token)
+        {
+            return Some(Exit::Failed(format!("constraint: {e}")));
+        }
+        let top_logprobs = match s.logprobs {
+            Some(n) => match sampling::top_logprobs(logits, n) {
+                Ok(v) => Some(v.into_iter().map(|t| (t.token, t.logprob)).collect()),
+                Err(e) => return Some(Exit::Failed(format!("logprobs: {e}"))),
+            },
+            None => None,
+        };
+        let logit_sha256 = s.digests.then(|| logit_digest(logits));
+        s.tokens.push(token);
+        if s.first_token.is_none() {
+            s.first_token = Some(Instant::now());
+        }
+        let delta = match s.decoder.push(token) {
+            Ok(d) => d,
+            Err(e) => return Some(Exit::Failed(format!("detokenize: {e}"))),
+        };
+        let (text, stopped) = match s.stop.push(&delta) {
+            StopStep::Continue { emit } => (emit, None),
+            StopStep::Stopped { emit, stop_index } => (emit, Some(stop_index)),
+        };
+        let delivered = s.send(Event::Token {
+            position,
+            token,
+            text,
+            logprob: choice.logprob,
+            top_logprobs,
+            logit_sha256,
+        });
+        if !delivered {
+            return Some(Exit::Cancelled);
+        }
+        if let Some(index) = stopped {
+            return Some(Exit::Finished(FinishReason::Stop(StopCause::StopString {
+                index,
+            })));
+        }
+        if !s.ignore_eos && self.tok.is_eos(token) {
+            return Some(Exit::Finished(FinishReason::Stop(StopCause::Eos)));
+        }
+        if s.constraint.as_ref().is_some_and(|c| c.is_finished()) {
+            return Some(Exit::Finished(FinishReason::Stop(StopCause::GrammarEnd)));
+        }
+        if s.max_tokens.is_some_and(|m| s.generated() >= m) {
+            return Some(Exit::Finished(FinishReason::Length));
+        }
+        if s.tokens.len() >= self.limits.context_len {
+            return Some(Exit::Finished(FinishReason::ContextLength));
+        }
+        None
+    }
+
+    fn publish_metrics(&mut self) {
+        self.metrics.running = self.running.len();
+        self.metrics.kv_free_blocks = self.backend.free_blocks();
+        self.metrics.kv_total_blocks = self.backend.total_blocks();
+        self.metrics.prefix_cached_blocks = self.index.len();
+        *lock(&self.shared.metrics) = self.metrics.clone();
+    }
+
+    /// Ends everything: queued and running requests get an error, all KV is given back.
+    fn shutdown(&mut self) {
+        let pending: Vec<Pending> = {
+            let mut inbox = lock(&self.shared.inbox);
+            inbox.closed = true;
+            inbox.incoming.drain(..).collect()
+        };
+        for p in pending {
+            let _ = p.events.send(Event::Error("engine shut down".into()));
+        }
+        let all: Vec<Seq<'t>> = self
+            .running
+            .drain(..)
+            .chain(self.waiting.drain(..))
+            .collect();
+        for s in all {
+            self.end(s, Exit::Failed("engine shut down".into()));
+        }
+        for holder in self.index.drain() {
+            self.backend.kv_release(holder);
+        }
+        {
+            let mut inbox = lock(&self.shared.inbox);
+            inbox.queued = 0;
+        }
+        self.publish_metrics();
+    }
+}
+
+/// The text released at the end: what the decoder and the stop checker held back (nothing
+/// after a stop string).
+fn final_text(seq: &mut Seq<'_>, reason: FinishReason) -> String {
+    if matches!(reason, FinishReason::Stop(StopCause::StopString { .. })) {
+        return String::new();
+    }
+    let tail = seq.decoder.finish();
+    match seq.stop.push(&tail) {
+        StopStep::Continue { mut emit } => {
+            emit.push_str(&seq.stop.finish());
+            emit
+        }
+        StopStep::Stopped { emit, .. } => emit,
+    }
+}
+
+/// SHA-256 of a logit row's little-endian f32 bytes.
+pub fn logit_digest(logits: &[f32]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    for l in logits {
+        h.update(l.to_le_bytes());
+    }
+    h.finalize().into()
+}
