@@ -3,10 +3,18 @@
 //! Each subcommand is one variant of [`Command`] plus one module holding its clap
 //! arguments and its `run` function; `main` only parses, sets up logging and dispatches.
 
+mod args;
+mod bench;
+mod chat;
+mod check;
 mod inspect;
+mod load;
 mod model_arg;
 mod models;
+mod prompt;
 mod pull;
+mod run;
+mod session;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -27,6 +35,11 @@ Examples:
   lockstep pull smollm2-135m         fetch a model (resumable, sha256-verified)
   lockstep inspect smollm2-135m      show what a GGUF file holds
   lockstep inspect ./my-model.gguf
+  lockstep run -p \"The capital of France is\"   continue a prompt (greedy)
+  lockstep run --chat -p \"Write a haiku\" --temp 0.8
+  lockstep chat -m qwen2.5-coder-0.5b          talk; /reset, /exit
+  lockstep check -p \"Hello\" -n 32 > a.txt     logit hashes to diff between runs
+  lockstep bench                               pp512 / tg128 tokens per second
 
 Environment:
   LOCKSTEP_HOME      cache root (default: $XDG_CACHE_HOME/lockstep, else ~/.cache/lockstep)
@@ -59,6 +72,14 @@ enum Command {
     Models(models::ModelsArgs),
     /// Show what a GGUF file holds: metadata, tensor types, memory needed
     Inspect(InspectArgs),
+    /// Generate a continuation of a prompt (or a chat reply with --chat), streamed or as JSON
+    Run(run::RunArgs),
+    /// Chat with a model: one line per message, history kept; /reset, /exit or Ctrl-D
+    Chat(chat::ChatArgs),
+    /// Print a SHA-256 of the logits at each generated position, to compare runs with diff
+    Check(check::CheckArgs),
+    /// Measure prompt processing (pp512) and generation (tg128) speed, like llama-bench
+    Bench(bench::BenchArgs),
 }
 
 /// Arguments of `lockstep inspect`.
@@ -75,6 +96,10 @@ fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Pull(args) => pull::run(&args, &mut out),
         Command::Models(args) => models::run(&args, &mut out),
+        Command::Run(args) => run::run(&args, &mut out),
+        Command::Chat(args) => chat::run(&args, &mut std::io::stdin().lock(), &mut out),
+        Command::Check(args) => check::run(&args, &mut out),
+        Command::Bench(args) => bench::run(&args, &mut out),
         Command::Inspect(args) => {
             let path = model_arg::resolve(&args.model)?;
             inspect::run(&path, &mut out)

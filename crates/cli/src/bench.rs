@@ -1,0 +1,434 @@
+//! `lockstep bench`: prompt-processing and generation speed of raw model forwards, measured
+//! like llama-bench (`pp512`: one prefill of 512 tokens; `tg128`: 128 single-token decode
+//! steps), mean ± standard deviation over repetitions.
+//!
+//! The engine is not involved: this measures the model and its kernels. Token ids are a
+//! fixed pseudo-random sequence, so every run feeds the same input.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::{Args, ValueEnum};
+use model::{BatchRow, KvType, LoadOptions, Model};
+use serde::Serialize;
+
+use crate::args::{DEFAULT_MODEL, KvTypeArg};
+use crate::load;
+
+/// Tokens prefilled (untimed) before the decode steps of a `tg` test.
+const TG_PROMPT_TOKENS: usize = 8;
+
+/// Arguments of `lockstep bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Model to measure (name or .gguf path); repeatable
+    #[arg(short = 'm', long = "model", value_name = "MODEL", default_values_t = [DEFAULT_MODEL.to_string()])]
+    pub models: Vec<String>,
+
+    /// Prompt-processing test sizes: one prefill of N tokens, in chunks of the engine's
+    /// prefill chunk (256 rows); comma-separated or repeated, 0 = none
+    #[arg(short = 'p', long = "n-prompt", value_name = "N", value_delimiter = ',', default_values_t = [512])]
+    pub n_prompt: Vec<usize>,
+
+    /// Generation test sizes: N single-token decode steps after a short prompt;
+    /// comma-separated or repeated, 0 = none
+    #[arg(short = 'n', long = "n-gen", value_name = "N", value_delimiter = ',', default_values_t = [128])]
+    pub n_gen: Vec<usize>,
+
+    /// Thread counts to measure; comma-separated or repeated (default: one per core)
+    #[arg(short = 't', long = "threads", value_name = "N", value_delimiter = ',')]
+    pub threads: Vec<usize>,
+
+    /// Repetitions of each test (after one untimed warm-up per model and thread count)
+    #[arg(short = 'r', long = "repetitions", value_name = "N", default_value_t = 5,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub repetitions: u32,
+
+    /// Element type of the KV cache
+    #[arg(long = "kv-type", value_enum, default_value_t = KvTypeArg::F16)]
+    pub kv_type: KvTypeArg,
+
+    /// Output format: a Markdown table, CSV, or one JSON array
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = BenchOutput::Md)]
+    pub output: BenchOutput,
+}
+
+/// `--output` of `lockstep bench`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchOutput {
+    /// Markdown table (as llama-bench prints)
+    Md,
+    /// Comma-separated values with a header line
+    Csv,
+    /// One JSON array of result objects
+    Json,
+}
+
+/// Which test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Test {
+    /// One prefill of this many tokens.
+    Prompt(usize),
+    /// This many single-token decode steps.
+    Gen(usize),
+}
+
+impl Test {
+    fn name(self) -> String {
+        match self {
+            Test::Prompt(n) => format!("pp{n}"),
+            Test::Gen(n) => format!("tg{n}"),
+        }
+    }
+
+    fn tokens(self) -> usize {
+        match self {
+            Test::Prompt(n) | Test::Gen(n) => n,
+        }
+    }
+
+    /// KV slots the test needs.
+    fn context(self) -> usize {
+        match self {
+            Test::Prompt(n) => n,
+            Test::Gen(n) => TG_PROMPT_TOKENS + n,
+        }
+    }
+}
+
+/// One result row.
+#[derive(Debug, Clone, Serialize)]
+struct BenchResult {
+    model: String,
+    model_size: u64,
+    test: String,
+    n_prompt: usize,
+    n_gen: usize,
+    threads: usize,
+    repetitions: u32,
+    tokens_per_second: f64,
+    stddev: f64,
+    samples_ts: Vec<f64>,
+    kernels: String,
+    kv_type: &'static str,
+}
+
+/// The kernel set this process selected: quantized dot kernels / row-op ISA.
+pub fn kernel_set_name() -> String {
+    format!(
+        "{}/{}",
+        quant::kernels().name(),
+        backend_cpu::Isa::selected().name()
+    )
+}
+
+/// Runs `lockstep bench`, writing results to `out` as they complete (md, csv) or at the end
+/// (json).
+pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    let tests: Vec<Test> = args
+        .n_prompt
+        .iter()
+        .filter(|&&n| n > 0)
+        .map(|&n| Test::Prompt(n))
+        .chain(args.n_gen.iter().filter(|&&n| n > 0).map(|&n| Test::Gen(n)))
+        .collect();
+    if tests.is_empty() {
+        bail!("nothing to measure: every -p and -n size is 0");
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = if args.threads.is_empty() {
+        vec![cores]
+    } else {
+        args.threads.clone()
+    };
+    if threads.contains(&0) {
+        bail!("--threads must be at least 1");
+    }
+    let kv_type: KvType = args.kv_type.into();
+    let kernels = kernel_set_name();
+    let mut results = Vec::new();
+    match args.output {
+        BenchOutput::Md => {
+            writeln!(
+                out,
+                "| model | size | kernels | threads | test | t/s |\n\
+                 | ----- | ---: | ------- | ------: | ---: | --: |"
+            )?;
+        }
+        BenchOutput::Csv => writeln!(
+            out,
+            "model,model_size,kernels,threads,test,n_prompt,n_gen,repetitions,tokens_per_second,stddev"
+        )?,
+        BenchOutput::Json => {}
+    }
+    out.flush()?;
+    for spec in &args.models {
+        let path = load::resolve_model_path(spec)?;
+        let name = load::display_name(spec, &path);
+        let gguf = load::open_gguf(&path)?;
+        let needed = tests.iter().map(|t| t.context()).max().unwrap_or(1);
+        let n_ctx = load::context_length(&gguf, Some(needed))
+            .with_context(|| format!("{name}: the longest test needs {needed} tokens"))?;
+        load::check_memory(&gguf, n_ctx, kv_type)?;
+        let size: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
+        for &t in &threads {
+            if t > cores {
+                eprintln!(
+                    "note: {t} threads requested, this machine has {cores} cores; using {cores}"
+                );
+            }
+            let opts = LoadOptions {
+                threads: Some(t),
+                kv_type,
+                n_ctx: Some(n_ctx),
+            };
+            let model =
+                Model::load(Arc::clone(&gguf), &opts).with_context(|| format!("loading {name}"))?;
+            let mut bench = Bencher::new(&model, n_ctx)?;
+            bench.warm_up()?;
+            for &test in &tests {
+                let mut samples = Vec::with_capacity(args.repetitions as usize);
+                for _ in 0..args.repetitions {
+                    let secs = bench.measure(test)?;
+                    samples.push(test.tokens() as f64 / secs.max(1e-9));
+                }
+                let (mean, stddev) = mean_stddev(&samples);
+                let result = BenchResult {
+                    model: name.clone(),
+                    model_size: size,
+                    test: test.name(),
+                    n_prompt: if let Test::Prompt(n) = test { n } else { 0 },
+                    n_gen: if let Test::Gen(n) = test { n } else { 0 },
+                    threads: model.n_threads(),
+                    repetitions: args.repetitions,
+                    tokens_per_second: mean,
+                    stddev,
+                    samples_ts: samples,
+                    kernels: kernels.clone(),
+                    kv_type: match kv_type {
+                        KvType::F16 => "f16",
+                        KvType::F32 => "f32",
+                    },
+                };
+                print_row(args.output, &result, out)?;
+                results.push(result);
+            }
+        }
+    }
+    if args.output == BenchOutput::Json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&results)?)?;
+    }
+    Ok(())
+}
+
+fn print_row(format: BenchOutput, r: &BenchResult, out: &mut dyn Write) -> anyhow::Result<()> {
+    match format {
+        BenchOutput::Md => writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {:.2} ± {:.2} |",
+            r.model,
+            human_size(r.model_size),
+            r.kernels,
+            r.threads,
+            r.test,
+            r.tokens_per_second,
+            r.stddev
+        )?,
+        BenchOutput::Csv => writeln!(
+            out,
+            "{},{},{},{},{},{},{},{},{:.4},{:.4}",
+            csv_field(&r.model),
+            r.model_size,
+            r.kernels,
+            r.threads,
+            r.test,
+            r.n_prompt,
+            r.n_gen,
+            r.repetitions,
+            r.tokens_per_second,
+            r.stddev
+        )?,
+        BenchOutput::Json => return Ok(()),
+    }
+    out.flush()?;
+    Ok(())
+}
+
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+fn human_size(bytes: u64) -> String {
+    const MIB: f64 = 1024.0 * 1024.0;
+    let mib = bytes as f64 / MIB;
+    if mib >= 1024.0 {
+        format!("{:.2} GiB", mib / 1024.0)
+    } else {
+        format!("{mib:.1} MiB")
+    }
+}
+
+/// Mean and sample standard deviation (n − 1; 0 for one sample), as llama-bench reports.
+fn mean_stddev(samples: &[f64]) -> (f64, f64) {
+    let n = samples.len();
+    if n == 0 {
+        return (0.0, 0.0);
+    }
+    let mean = samples.iter().sum::<f64>() / n as f64;
+    if n == 1 {
+        return (mean, 0.0);
+    }
+    let var = samples.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    (mean, var.sqrt())
+}
+
+/// A fixed pseudo-random token sequence (xorshift64*), ids below `n_vocab`.
+fn bench_tokens(n: usize, n_vocab: usize) -> Vec<u32> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let n_vocab = n_vocab.max(1) as u64;
+    (0..n)
+        .map(|_| {
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            let r = state.wrapping_mul(0x2545_F491_4F6C_DD1D);
+            u32::try_from((r >> 32) % n_vocab).unwrap_or(0)
+        })
+        .collect()
+}
+
+/// One model's KV cache, scratch and input tokens for repeated measurements.
+struct Bencher<'m> {
+    model: &'m Model,
+    kv: model::KvCache,
+    scratch: model::ForwardScratch,
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+impl<'m> Bencher<'m> {
+    fn new(model: &'m Model, n_ctx: usize) -> anyhow::Result<Bencher<'m>> {
+        Ok(Bencher {
+            model,
+            kv: model.new_kv_cache(n_ctx + backend_cpu::DEFAULT_BLOCK_SIZE)?,
+            scratch: model.new_scratch(),
+            tokens: bench_tokens(n_ctx, model.config().n_vocab),
+            logits: Vec::new(),
+        })
+    }
+
+    /// Touches every weight page and starts the thread pool: a short prefill and a decode
+    /// (all inside the context of `tokens.len()` positions).
+    fn warm_up(&mut self) -> anyhow::Result<()> {
+        let n = self.tokens.len().saturating_sub(1).min(16);
+        let mut seq = self.model.new_sequence(&self.kv);
+        let r = self
+            .prefill(&mut seq, n)
+            .and_then(|()| self.decode(&mut seq, n, n, 1));
+        self.kv.release_sequence(seq);
+        r
+    }
+
+    /// Seconds one repetition of `test` took.
+    fn measure(&mut self, test: Test) -> anyhow::Result<f64> {
+        let mut seq = self.model.new_sequence(&self.kv);
+        let r = match test {
+            Test::Prompt(n) => {
+                let start = Instant::now();
+                self.prefill(&mut seq, n).map(|()| start.elapsed())
+            }
+            Test::Gen(n) => self.prefill(&mut seq, TG_PROMPT_TOKENS).and_then(|()| {
+                let start = Instant::now();
+                self.decode(&mut seq, TG_PROMPT_TOKENS, TG_PROMPT_TOKENS, n)
+                    .map(|()| start.elapsed())
+            }),
+        };
+        self.kv.release_sequence(seq);
+        Ok(r?.as_secs_f64())
+    }
+
+    /// Prefills tokens `0..n` in chunks of the engine's prefill chunk, logits for the last.
+    fn prefill(&mut self, seq: &mut model::SeqKv, n: usize) -> anyhow::Result<()> {
+        let chunk = engine::EngineConfig::default().prefill_chunk.max(1);
+        let mut start = 0;
+        while start < n {
+            let end = (start + chunk).min(n);
+            let rows: Vec<BatchRow> = (start..end)
+                .map(|pos| BatchRow {
+                    seq: 0,
+                    token: self.tokens.get(pos).copied().unwrap_or(0),
+                    pos,
+                    wants_logits: pos + 1 == n,
+                })
+                .collect();
+            self.model.forward(
+                &mut self.scratch,
+                &mut self.kv,
+                &mut [&mut *seq],
+                &rows,
+                &mut self.logits,
+            )?;
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// `steps` single-row forwards from position `pos`, feeding tokens from `token_at` on.
+    fn decode(
+        &mut self,
+        seq: &mut model::SeqKv,
+        pos: usize,
+        token_at: usize,
+        steps: usize,
+    ) -> anyhow::Result<()> {
+        for i in 0..steps {
+            let row = BatchRow {
+                seq: 0,
+                token: self.tokens.get(token_at + i).copied().unwrap_or(0),
+                pos: pos + i,
+                wants_logits: true,
+            };
+            self.model.forward(
+                &mut self.scratch,
+                &mut self.kv,
+                &mut [&mut *seq],
+                &[row],
+                &mut self.logits,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_and_sample_stddev() {
+        let (m, s) = mean_stddev(&[2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]);
+        assert!((m - 5.0).abs() < 1e-12);
+        assert!((s - (32.0f64 / 7.0).sqrt()).abs() < 1e-12);
+        assert_eq!(mean_stddev(&[3.0]), (3.0, 0.0));
+    }
+
+    #[test]
+    fn bench_tokens_are_fixed_and_inside_the_vocabulary() {
+        let a = bench_tokens(1000, 49152);
+        assert_eq!(a, bench_tokens(1000, 49152));
+        assert!(a.iter().all(|&t| t < 49152));
+        assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 900);
+    }
+
+    #[test]
+    fn test_names_follow_llama_bench() {
+        assert_eq!(Test::Prompt(512).name(), "pp512");
+        assert_eq!(Test::Gen(128).name(), "tg128");
+    }
+}

@@ -1,0 +1,283 @@
+//! A loaded model behind a running engine, shared by `run`, `check` and `chat`: they all
+//! generate through [`engine::Engine`], the same path the server takes.
+
+use std::io::{IsTerminal, Read};
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use chat::ChatTemplate;
+use clap::Args;
+use engine::{Engine, EngineConfig, Event, FinishReason, GenerateRequest, ModelBackend, Timings};
+use text::Tokenizer;
+
+use crate::args::{ModelArgs, SamplingArgs, StopArgs};
+use crate::{load, prompt};
+
+/// The prompt flags of `run` and `check`.
+#[derive(Debug, Clone, Args)]
+pub struct PromptArgs {
+    /// The prompt (default: read all of stdin). Without --chat it is a raw prompt: control
+    /// texts such as <|im_start|> in it become the control tokens, as in llama.cpp
+    #[arg(short = 'p', long = "prompt", value_name = "TEXT")]
+    pub prompt: Option<String>,
+
+    /// Render the prompt as one user message through the model's chat template (with the
+    /// assistant's generation prompt); the message text stays plain text
+    #[arg(long)]
+    pub chat: bool,
+
+    /// A system message before the user message (with --chat)
+    #[arg(long, value_name = "TEXT", requires = "chat")]
+    pub system: Option<String>,
+}
+
+impl PromptArgs {
+    /// The prompt text: `-p`, else stdin (refused when stdin is a terminal, where reading
+    /// would silently wait for Ctrl-D).
+    pub fn text(&self) -> anyhow::Result<String> {
+        if let Some(p) = &self.prompt {
+            return Ok(p.clone());
+        }
+        let stdin = std::io::stdin();
+        if stdin.is_terminal() {
+            bail!("no prompt: give one with -p TEXT or pipe it on stdin");
+        }
+        let mut text = String::new();
+        stdin
+            .lock()
+            .read_to_string(&mut text)
+            .context("reading the prompt from stdin")?;
+        Ok(text)
+    }
+}
+
+/// A model, its tokenizer and chat template, and the engine running it.
+pub struct Session {
+    /// Display name of the model.
+    pub name: String,
+    /// The model's tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// The chat template, when the model has one.
+    pub template: Option<ChatTemplate>,
+    /// The engine.
+    pub engine: Engine,
+}
+
+impl Session {
+    /// Resolves and loads the model of `args` and starts an engine for one conversation at
+    /// a time. With `need_template`, a model without a chat template is refused before the
+    /// weights are loaded.
+    pub fn open(args: &ModelArgs, need_template: bool) -> anyhow::Result<Session> {
+        let path = load::resolve_model_path(&args.model)?;
+        let name = load::display_name(&args.model, &path);
+        let gguf = load::open_gguf(&path)?;
+        let tokenizer = Arc::new(load::load_tokenizer(&gguf)?);
+        let template = load::chat_template(&gguf, &tokenizer)?;
+        if need_template && template.is_none() {
+            return Err(load::no_template_error(&name));
+        }
+        let model =
+            Arc::new(load::load_model(&gguf, args).with_context(|| format!("loading {name}"))?);
+        let n_ctx = model.n_ctx();
+        let block = backend_cpu::DEFAULT_BLOCK_SIZE;
+        let cfg = EngineConfig {
+            max_seqs: 1,
+            // Room for the whole context plus one spare block, so a new turn of a chat can
+            // be admitted while the previous turn's blocks are still in the prefix cache.
+            kv_tokens: n_ctx + block,
+            context_len: n_ctx,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::start(Box::new(ModelBackend::new(model)), tokenizer.clone(), cfg)
+            .context("starting the engine")?;
+        Ok(Session {
+            name,
+            tokenizer,
+            template,
+            engine,
+        })
+    }
+
+    /// The prompt tokens for `args`: a raw prompt, or one user message (after an optional
+    /// system message) through the chat template.
+    pub fn prompt_tokens(&self, args: &PromptArgs) -> anyhow::Result<Vec<u32>> {
+        let text = args.text()?;
+        if !args.chat {
+            return Ok(prompt::raw_prompt_tokens(&self.tokenizer, &text));
+        }
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(chat::Message::new("system", system.as_str()));
+        }
+        messages.push(chat::Message::new("user", text));
+        self.chat_tokens(&messages)
+    }
+
+    /// The prompt tokens of a conversation, with the generation prompt.
+    pub fn chat_tokens(&self, messages: &[chat::Message]) -> anyhow::Result<Vec<u32>> {
+        let Some(template) = &self.template else {
+            return Err(load::no_template_error(&self.name));
+        };
+        prompt::chat_prompt_tokens(template, &self.tokenizer, messages)
+    }
+
+    /// Runs one request, calling `on_token` for every generated token as it arrives.
+    pub fn generate(
+        &self,
+        request: GenerateRequest,
+        mut on_token: impl FnMut(&TokenEvent) -> anyhow::Result<()>,
+    ) -> anyhow::Result<Generation> {
+        let prompt_tokens = request.prompt.len();
+        let handle = self.engine.submit(request)?;
+        let mut tokens = Vec::new();
+        let mut logprobs = Vec::new();
+        let mut text = String::new();
+        for event in &handle {
+            match event {
+                Event::Token {
+                    position,
+                    token,
+                    text: delta,
+                    logprob,
+                    top_logprobs,
+                    logit_sha256,
+                } => {
+                    let ev = TokenEvent {
+                        position,
+                        token,
+                        text: delta,
+                        logprob,
+                        top_logprobs,
+                        logit_sha256,
+                    };
+                    on_token(&ev)?;
+                    tokens.push(ev.token);
+                    logprobs.push(ev.logprob);
+                    text.push_str(&ev.text);
+                }
+                Event::Finished {
+                    reason,
+                    text: tail,
+                    usage,
+                    timings,
+                } => {
+                    text.push_str(&tail);
+                    return Ok(Generation {
+                        prompt_tokens,
+                        cached_tokens: usage.cached_tokens,
+                        tokens,
+                        logprobs,
+                        tail,
+                        text,
+                        reason,
+                        timings,
+                    });
+                }
+                Event::Error(e) => bail!("generation failed: {e}"),
+            }
+        }
+        bail!("the engine ended the request without finishing it")
+    }
+}
+
+/// One generated token, as [`Session::generate`] hands it to its caller.
+#[derive(Debug, Clone)]
+pub struct TokenEvent {
+    /// Absolute position of the token.
+    pub position: usize,
+    /// Token id.
+    pub token: u32,
+    /// Output text that became final with this token (may be empty).
+    pub text: String,
+    /// Log-probability of the token (raw logits, T = 1).
+    pub logprob: f32,
+    /// The best alternatives, best first, when asked for.
+    pub top_logprobs: Option<Vec<(u32, f32)>>,
+    /// SHA-256 of the position's full-vocabulary logits, when asked for.
+    pub logit_sha256: Option<[u8; 32]>,
+}
+
+/// A finished request.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+    /// Generated token ids.
+    pub tokens: Vec<u32>,
+    /// Log-probability of each generated token (raw logits, T = 1).
+    pub logprobs: Vec<f32>,
+    /// Text released at the end (after the last token's text).
+    pub tail: String,
+    /// The whole output text.
+    pub text: String,
+    /// Why it ended.
+    pub reason: FinishReason,
+    /// Phase timings.
+    pub timings: Timings,
+}
+
+impl Generation {
+    /// Prompt tokens actually computed per second of prefill.
+    pub fn prompt_tokens_per_second(&self) -> f64 {
+        per_second(
+            self.prompt_tokens.saturating_sub(self.cached_tokens),
+            self.timings.prefill_ms,
+        )
+    }
+
+    /// Tokens per second of decoding: the tokens after the first over the time after the
+    /// first (the first token's time belongs to the prefill).
+    pub fn tokens_per_second(&self) -> f64 {
+        per_second(self.tokens.len().saturating_sub(1), self.timings.decode_ms)
+    }
+
+    /// One line for stderr: token counts, speeds, finish reason.
+    pub fn summary(&self, seed: u64) -> String {
+        let cached = if self.cached_tokens > 0 {
+            format!(" ({} cached)", self.cached_tokens)
+        } else {
+            String::new()
+        };
+        format!(
+            "prompt {} tokens{cached} in {:.1} ms ({:.1} t/s), generated {} tokens in {:.1} ms \
+             ({:.1} t/s), first token after {:.1} ms, finish: {}, seed: {seed}",
+            self.prompt_tokens,
+            self.timings.prefill_ms,
+            self.prompt_tokens_per_second(),
+            self.tokens.len(),
+            self.timings.decode_ms,
+            self.tokens_per_second(),
+            self.timings.ttft_ms,
+            self.reason,
+        )
+    }
+}
+
+fn per_second(n: usize, ms: f64) -> f64 {
+    if n == 0 || ms <= 0.0 {
+        0.0
+    } else {
+        n as f64 * 1000.0 / ms
+    }
+}
+
+/// A request from the shared flags.
+pub fn request(
+    prompt: Vec<u32>,
+    sampling: &SamplingArgs,
+    stop: &StopArgs,
+    seed: u64,
+) -> anyhow::Result<GenerateRequest> {
+    let mut req = GenerateRequest::new(prompt, sampling.params(seed)?);
+    req.max_tokens = Some(stop.max_tokens);
+    req.stop_strings = stop.stop.clone();
+    req.ignore_eos = stop.ignore_eos;
+    Ok(req)
+}
+
+/// Whether generation stopped naturally (`"stop"`) or ran out (`"length"`).
+pub fn finish_name(reason: FinishReason) -> &'static str {
+    reason.as_openai_str()
+}
