@@ -52,9 +52,24 @@ fn ids(v: &Value) -> Vec<u64> {
         .unwrap_or_default()
 }
 
+/// The golden reference directory (`shared/golden`, beside or above the checkout;
+/// `$LOCKSTEP_SHARED` overrides).
+fn golden_dir() -> std::path::PathBuf {
+    if let Some(dir) = std::env::var_os("LOCKSTEP_SHARED") {
+        return std::path::PathBuf::from(dir).join("golden");
+    }
+    let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let manifest = std::fs::canonicalize(&manifest).unwrap_or(manifest);
+    manifest
+        .ancestors()
+        .map(|base| base.join("shared/golden"))
+        .find(|candidate| candidate.is_dir())
+        .unwrap_or_else(|| panic!("shared/golden not found above {}", manifest.display()))
+}
+
 fn golden_case(name: &str) -> Result<Value, Box<dyn std::error::Error>> {
     let golden: Value = serde_json::from_str(&std::fs::read_to_string(
-        "/work/shared/golden/smollm2-135m.json",
+        golden_dir().join("smollm2-135m.json"),
     )?)?;
     golden["cases"]
         .as_array()
