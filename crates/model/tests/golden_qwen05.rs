@@ -1,0 +1,7 @@
+//! Qwen2.5-Coder-0.5B (qwen2) against llama.cpp's reference log-probs and greedy tokens.
+mod common;
+
+#[test]
+fn qwen05_logprobs_and_greedy_match_llama_cpp() {
+    common::assert_golden("qwen2.5-coder-0.5b", &[("qwen2.5-coder-0.5b", 0.75, 0.16)]);
+}

@@ -1,0 +1,14 @@
+//! Qwen2.5-Coder-1.5B (qwen2) against llama.cpp's reference log-probs and greedy tokens,
+//! including the ~2,300-token prompt.
+mod common;
+
+#[test]
+fn qwen15_logprobs_and_greedy_match_llama_cpp() {
+    common::assert_golden(
+        "qwen2.5-coder-1.5b",
+        &[
+            ("qwen2.5-coder-1.5b", 0.8, 0.2),
+            ("long-qwen2.5-coder-1.5b", 1.2, 0.45),
+        ],
+    );
+}
