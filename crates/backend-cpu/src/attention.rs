@@ -58,8 +58,9 @@ pub fn attention(
 ///
 /// `q` and `out` hold `rows.len()` rows of `n_head * head_dim` f32 (head-major). Every
 /// row's K/V, including its own position, must already be written to the cache. Work is
-/// split over (row, head) pairs; each pair is computed entirely by one thread with the
-/// canonical order, so results do not depend on the batch or the thread count.
+/// split over (row, head) pairs, one contiguous range per thread balanced by keys visited;
+/// each pair is computed entirely by one thread with the canonical order, so results do
+/// not depend on the batch or the thread count.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_with(
     isa: Isa,
@@ -108,24 +109,75 @@ pub fn attention_with(
     }
     let isa = isa.checked();
     let group_size = n_head / n_kv;
-    pool.for_chunks_mut(out, d, |task, o| {
-        let (r, h) = (task / n_head, task % n_head);
-        let row = &rows[r];
-        let qh = &q[task * d..(task + 1) * d];
-        attend_one(
-            isa,
-            kv,
-            g,
-            li,
-            row,
-            window,
-            h / group_size,
-            qh,
-            params.scale,
-            o,
-        );
+    // One contiguous range of (row, head) tasks per thread, balanced by the number of keys
+    // the tasks visit (a later row of a causal prefill costs more than an earlier one).
+    let threads = pool.n_threads().max(1);
+    let row_costs: Vec<u64> = rows
+        .iter()
+        .map(|r| (r.pos + 1 - first_key(r.pos, window)) as u64 + TASK_OVERHEAD_KEYS)
+        .collect();
+    let bounds = balanced_bounds(&row_costs, n_head, threads);
+    let mut shares: Vec<std::sync::Mutex<&mut [f32]>> = Vec::with_capacity(threads);
+    let mut rest: &mut [f32] = out;
+    for t in 0..threads {
+        let (mine, tail) = rest.split_at_mut((bounds[t + 1] - bounds[t]) * d);
+        shares.push(std::sync::Mutex::new(mine));
+        rest = tail;
+    }
+    pool.broadcast(|t| {
+        let (Some(share), Some(&first)) = (shares.get(t), bounds.get(t)) else {
+            return;
+        };
+        let mut guard = share.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, o) in guard.chunks_exact_mut(d).enumerate() {
+            let task = first + i;
+            let (r, h) = (task / n_head, task % n_head);
+            let row = &rows[r];
+            let qh = &q[task * d..(task + 1) * d];
+            attend_one(
+                isa,
+                kv,
+                g,
+                li,
+                row,
+                window,
+                h / group_size,
+                qh,
+                params.scale,
+                o,
+            );
+        }
     });
     Ok(())
+}
+
+/// Fixed per-task cost, in keys, added to each task's key count when balancing.
+const TASK_OVERHEAD_KEYS: u64 = 8;
+
+/// Task boundaries (`threads + 1` of them, from 0 to `row_costs.len() · n_head`): thread
+/// `t` computes tasks `bounds[t]..bounds[t + 1]`, where task `r · n_head + h` is (row `r`,
+/// head `h`) and costs `row_costs[r]`. The cumulative cost is split as evenly as
+/// contiguous ranges allow.
+fn balanced_bounds(row_costs: &[u64], n_head: usize, threads: usize) -> Vec<usize> {
+    let n_tasks = row_costs.len() * n_head;
+    let total: u64 = row_costs.iter().map(|c| c * n_head as u64).sum();
+    let mut bounds = Vec::with_capacity(threads + 1);
+    bounds.push(0);
+    let mut t = 1;
+    let mut acc = 0u64;
+    let tasks = row_costs
+        .iter()
+        .flat_map(|&c| std::iter::repeat_n(c, n_head));
+    for (task, cost) in tasks.enumerate() {
+        // Thread t starts at the first task whose preceding cost reaches t/T of the total.
+        while t < threads && acc * threads as u64 >= total * t as u64 {
+            bounds.push(task);
+            t += 1;
+        }
+        acc += cost;
+    }
+    bounds.resize(threads + 1, n_tasks);
+    bounds
 }
 
 /// First key a query at `pos` sees.
@@ -191,4 +243,35 @@ fn attend_one(
         start = end;
     }
     kernels::scale_in_place(isa, acc, 1.0 / l);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::balanced_bounds;
+
+    #[test]
+    fn balanced_bounds_partition_tasks_by_cost() {
+        // A causal prefill of 512 rows, 9 heads: costs grow with the row.
+        let costs: Vec<u64> = (0..512u64).map(|p| p + 1 + 8).collect();
+        for threads in 1..6 {
+            let b = balanced_bounds(&costs, 9, threads);
+            assert_eq!(b.len(), threads + 1);
+            assert_eq!((b[0], b[threads]), (0, 512 * 9));
+            assert!(b.windows(2).all(|w| w[0] <= w[1]), "monotone {b:?}");
+            let share = |t: usize| -> u64 { (b[t]..b[t + 1]).map(|i| costs[i / 9]).sum() };
+            let total: u64 = (0..threads).map(share).sum();
+            for t in 0..threads {
+                let s = share(t) as f64 / total as f64;
+                assert!(
+                    (s - 1.0 / threads as f64).abs() < 0.01,
+                    "t {t}: {s} of {b:?}"
+                );
+            }
+        }
+        // Equal costs (a decode batch): equal counts.
+        assert_eq!(balanced_bounds(&[5], 4, 2), vec![0, 2, 4]);
+        // More threads than tasks, and no tasks at all.
+        assert_eq!(balanced_bounds(&[5], 1, 3), vec![0, 1, 1, 1]);
+        assert_eq!(balanced_bounds(&[], 4, 2), vec![0, 0, 0]);
+    }
 }

@@ -5,14 +5,13 @@
 use crate::ModelError;
 use crate::weights::Matrix;
 use backend_cpu::ThreadPool;
-use gguf::GgufFile;
-use quant::{ActLayout, Kernels, QuantizedActs};
+use quant::{ActLayout, Kernels, PackedMatrix, QuantizedActs};
 use std::ops::Range;
 use std::sync::Mutex;
 
-/// Weight rows per unit of work: the widest SIMD tile of the quant kernels (16 rows on
-/// AVX-512, 8 on AVX2), so thread boundaries never split a tile.
-const TILE: usize = 16;
+/// Weight rows per unit of work: the packed weights' tile, so thread boundaries never
+/// split a tile.
+const TILE: usize = PackedMatrix::TILE;
 /// At most this many matmuls share one dispatch.
 pub(crate) const MAX_GROUP: usize = 4;
 
@@ -80,7 +79,6 @@ fn job_rows(ns: &[usize], threads: usize, t: usize, j: usize) -> Range<usize> {
 pub(crate) fn matmuls(
     pool: &ThreadPool,
     kernels: &Kernels,
-    gguf: &GgufFile,
     jobs: &mut [MatJob<'_>],
     m: usize,
     tmp: &mut Vec<f32>,
@@ -150,9 +148,7 @@ pub(crate) fn matmuls(
                 }
             };
             let ldo = rows.len();
-            if let Err(e) =
-                kernels.matmul_n_range(w.format, w.bytes(gguf), w.n, acts, rows, out, ldo)
-            {
+            if let Err(e) = kernels.matmul_packed(&w.packed, acts, rows, out, ldo) {
                 let mut slot = error.lock().unwrap_or_else(|p| p.into_inner());
                 slot.get_or_insert(ModelError::Quant(e));
             }

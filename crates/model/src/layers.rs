@@ -167,7 +167,6 @@ impl Attention {
         matmuls(
             cx.pool,
             cx.qk,
-            cx.gguf,
             &mut [
                 MatJob {
                     w: &self.wq,
@@ -224,7 +223,6 @@ impl Attention {
         matmuls(
             cx.pool,
             cx.qk,
-            cx.gguf,
             &mut [MatJob {
                 w: &self.wo,
                 acts: s.acts.get(idx[0]),
@@ -269,7 +267,6 @@ impl Mlp {
         matmuls(
             cx.pool,
             cx.qk,
-            cx.gguf,
             &mut [
                 MatJob {
                     w: &self.gate,
@@ -294,7 +291,6 @@ impl Mlp {
         matmuls(
             cx.pool,
             cx.qk,
-            cx.gguf,
             &mut [MatJob {
                 w: &self.down,
                 acts: s.acts.get(idx[0]),

@@ -2,7 +2,9 @@
 //! KV cache.
 //!
 //! A [`Model`] is loaded from a mapped GGUF file: the [`Config`] comes from the metadata,
-//! the weights stay in the mapping (shape- and type-checked at load). [`Model::forward`]
+//! the matmul weights are repacked once into 16-row tiles (`quant::PackedMatrix`,
+//! bit-identical results to the row-major kernels) and the embedding table stays in the
+//! mapping (all shape- and type-checked at load). [`Model::forward`]
 //! runs one batch of rows — each a (sequence, token, absolute position, wants-logits)
 //! [`BatchRow`] — from one or several sequences: a prefill chunk, decode rows and verify
 //! blocks alike, in one pass. Every layer writes the rows' K/V into the paged cache and
@@ -31,7 +33,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! Layout: `config` (hyperparameters), `weights` (views, shape checks), `layers` (the
+//! Layout: `config` (hyperparameters), `weights` (packed matrices, views, shape checks), `layers` (the
 //! shared attention and feed-forward blocks), one file per architecture (`llama`: llama
 //! and qwen2), `exec` (thread-pool matmuls split over N), `memory` (estimates).
 

@@ -16,7 +16,7 @@ use crate::ModelError;
 use crate::config::{Arch, Config};
 use crate::exec::{MatJob, matmuls};
 use crate::layers::{Attention, Ctx, ForwardScratch, Mlp, rms_norm_rows};
-use crate::weights::{Loader, Matrix};
+use crate::weights::{Loader, Matrix, TensorView};
 use backend_cpu::{AttnRow, KvCache};
 use gguf::GgufFile;
 use quant::dequantize_row;
@@ -31,17 +31,19 @@ struct Block {
 /// A llama/qwen2 model's weights.
 #[derive(Debug)]
 pub(crate) struct Llama {
-    /// `token_embd.weight`: `[n_embd, n_vocab]`.
-    embed: Matrix,
+    /// `token_embd.weight`: `[n_embd, n_vocab]`, read in place (one row per token).
+    embed: TensorView,
     blocks: Vec<Block>,
     /// `output_norm.weight`.
     output_norm: Vec<f32>,
-    /// `output.weight`, or `token_embd.weight` when tied.
+    /// `output.weight`, or `token_embd.weight` when tied (packed; the lookup keeps using
+    /// the file's view).
     output: Matrix,
 }
 
 impl Llama {
-    /// Loads (views) the weights of `gguf`, checking every shape against `cfg`.
+    /// Loads the weights of `gguf`, checking every shape against `cfg`: every matmul weight
+    /// is packed, the embedding table stays a view of the file.
     pub fn load(cfg: &Config, gguf: &GgufFile) -> Result<Llama, ModelError> {
         let l = Loader::new(gguf);
         if l.has("rope_freqs.weight") {
@@ -52,9 +54,9 @@ impl Llama {
         }
         let (e, f, v) = (cfg.n_embd, cfg.n_ff, cfg.n_vocab);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let embed = l.matrix("token_embd.weight", e, v)?;
+        let embed = l.view("token_embd.weight", e, v)?;
         let output = if cfg.tied_embeddings {
-            embed.clone()
+            l.matrix("token_embd.weight", e, v)?
         } else {
             l.matrix("output.weight", e, v)?
         };
@@ -95,12 +97,10 @@ impl Llama {
         })
     }
 
-    /// Bytes of the weights used by the forward (views into the file).
+    /// Bytes of the weights used by the forward: the packed matmul weights (the output
+    /// head too, also when tied) plus the embedding table viewed in the file.
     pub fn weight_bytes(&self) -> usize {
-        let mut n = self.embed.n_bytes();
-        if self.output.name != self.embed.name {
-            n += self.output.n_bytes();
-        }
+        let mut n = self.embed.n_bytes() + self.output.n_bytes();
         for b in &self.blocks {
             n += [&b.attn.wq, &b.attn.wk, &b.attn.wv, &b.attn.wo]
                 .iter()
@@ -158,7 +158,6 @@ impl Llama {
         matmuls(
             cx.pool,
             cx.qk,
-            cx.gguf,
             &mut [MatJob {
                 w: &self.output,
                 acts: s.acts.get(idx[0]),

@@ -47,7 +47,7 @@ enum Weights {
     Llama(Llama),
 }
 
-/// A loaded model: configuration, weight views over the mapped file, thread pool and
+/// A loaded model: configuration, packed weights (and the mapped file), thread pool and
 /// RoPE table. Immutable once loaded; [`Model::forward`] takes `&self`.
 #[derive(Debug)]
 pub struct Model {

@@ -1,21 +1,20 @@
-//! Weight views over the mapped GGUF file.
+//! Weights of the forward.
 //!
-//! A [`Matrix`] names a tensor of the file and is resolved to its bytes when used: the
-//! weights are never copied (the model keeps the `Arc<GgufFile>` alive). One-dimensional
-//! tensors (norm weights, biases) are small and decoded to f32 at load time, whatever
-//! their storage type. A later load-time repacking (e.g. N-interleaved tiles) would add an
-//! owned byte buffer beside the tensor index; every caller goes through [`Matrix::bytes`].
+//! A [`Matrix`] (a matmul weight) is repacked once at load time into a
+//! [`PackedMatrix`] (16-row N-interleaved tiles, bit-identical results to the row-major
+//! kernels), owned by the model. A [`TensorView`] names a tensor of the mapped file and is
+//! resolved to its bytes when used (the embedding table, read one row per token; the model
+//! keeps the `Arc<GgufFile>` alive). One-dimensional tensors (norm weights, biases) are
+//! small and decoded to f32 at load time, whatever their storage type.
 
 use crate::ModelError;
 use gguf::{GgufFile, TensorInfo};
-use quant::{Format, dequantize_row};
+use quant::{Format, PackedMatrix, dequantize_row};
+use std::sync::Arc;
 
-/// A weight matrix of `n` rows of `k` values (`dims = [k, n]`, `k` contiguous), in its
-/// file format.
+/// A matmul weight of `n` rows of `k` values (`dims = [k, n]` in the file), packed.
 #[derive(Clone, Debug)]
 pub(crate) struct Matrix {
-    /// Index into the file's tensor table.
-    tensor: usize,
     /// Tensor name (for error messages).
     pub name: String,
     /// Storage format.
@@ -24,11 +23,33 @@ pub(crate) struct Matrix {
     pub k: usize,
     /// Rows (the output width of a matmul).
     pub n: usize,
+    /// The packed weights.
+    pub packed: Arc<PackedMatrix>,
+}
+
+impl Matrix {
+    /// Bytes held by the packed weights.
+    pub fn n_bytes(&self) -> usize {
+        self.packed.bytes()
+    }
+}
+
+/// A matrix tensor of the mapped file (`n` rows of `k` values), read in place.
+#[derive(Clone, Debug)]
+pub(crate) struct TensorView {
+    /// Index into the file's tensor table.
+    tensor: usize,
+    /// Tensor name (for error messages).
+    pub name: String,
+    /// Storage format.
+    pub format: Format,
+    /// Rows.
+    pub n: usize,
     /// Bytes per row.
     pub row_bytes: usize,
 }
 
-impl Matrix {
+impl TensorView {
     /// The bytes of the whole matrix (`n * row_bytes`).
     pub fn bytes<'a>(&self, gguf: &'a GgufFile) -> &'a [u8] {
         gguf.tensors()
@@ -87,8 +108,27 @@ impl<'a> Loader<'a> {
         self.gguf.tensor(name).is_some()
     }
 
-    /// The matrix `name` with `dims = [k, n]`.
+    /// The matrix `name` with `dims = [k, n]`, packed for the matmul kernels.
     pub fn matrix(&self, name: &str, k: usize, n: usize) -> Result<Matrix, ModelError> {
+        let v = self.view(name, k, n)?;
+        let packed = PackedMatrix::pack(v.format, v.bytes(self.gguf), n, k).map_err(|e| {
+            ModelError::TensorType {
+                name: name.into(),
+                ggml_type: v.format.to_string(),
+                why: format!(": packing: {e}"),
+            }
+        })?;
+        Ok(Matrix {
+            name: v.name,
+            format: v.format,
+            k,
+            n,
+            packed: Arc::new(packed),
+        })
+    }
+
+    /// A view of the matrix `name` with `dims = [k, n]` in the mapped file.
+    pub fn view(&self, name: &str, k: usize, n: usize) -> Result<TensorView, ModelError> {
         let (tensor, t) = self.info(name)?;
         check_dims(t, &[k as u64, n as u64])?;
         let format = Self::format(t)?;
@@ -107,11 +147,10 @@ impl<'a> Loader<'a> {
                 ),
             });
         }
-        Ok(Matrix {
+        Ok(TensorView {
             tensor,
             name: name.into(),
             format,
-            k,
             n,
             row_bytes,
         })
