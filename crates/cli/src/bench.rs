@@ -53,6 +53,25 @@ pub struct BenchArgs {
     /// Output format: a Markdown table, CSV, or one JSON array
     #[arg(short = 'o', long = "output", value_enum, default_value_t = BenchOutput::Md)]
     pub output: BenchOutput,
+
+    /// Speculative decoding bench instead: plain vs speculative tokens/s through the engine
+    /// on structured (JSON Schema), code and prose workloads, per drafter (first -m is the
+    /// target, first -n the tokens per workload)
+    #[arg(long = "spec")]
+    pub spec: bool,
+
+    /// With --spec: also bench this draft model (same tokenizer as the target)
+    #[arg(long = "draft", value_name = "MODEL", requires = "spec")]
+    pub draft: Option<String>,
+
+    /// With --spec: most draft tokens per verify cycle
+    #[arg(
+        long = "spec-max-draft",
+        value_name = "K",
+        default_value_t = 8,
+        requires = "spec"
+    )]
+    pub spec_max_draft: usize,
 }
 
 /// `--output` of `lockstep bench`.
@@ -127,6 +146,26 @@ pub fn kernel_set_name() -> String {
 /// Runs `lockstep bench`, writing results to `out` as they complete (md, csv) or at the end
 /// (json).
 pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    if args.spec {
+        let sb = crate::spec_bench::SpecBenchArgs {
+            model: args
+                .models
+                .first()
+                .cloned()
+                .unwrap_or_else(|| DEFAULT_MODEL.into()),
+            draft: args.draft.clone(),
+            threads: args.threads.first().copied(),
+            max_tokens: args
+                .n_gen
+                .first()
+                .copied()
+                .filter(|&n| n > 0)
+                .unwrap_or(128),
+            repetitions: args.repetitions,
+            max_draft: args.spec_max_draft.max(1),
+        };
+        return crate::spec_bench::run(&sb, args.output == BenchOutput::Json, out);
+    }
     let tests: Vec<Test> = args
         .n_prompt
         .iter()

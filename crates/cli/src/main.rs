@@ -14,7 +14,10 @@ mod models;
 mod prompt;
 mod pull;
 mod run;
+mod serve;
 mod session;
+mod spec_args;
+mod spec_bench;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -80,6 +83,8 @@ enum Command {
     Check(check::CheckArgs),
     /// Measure prompt processing (pp512) and generation (tg128) speed, like llama-bench
     Bench(bench::BenchArgs),
+    /// Serve the OpenAI-compatible HTTP API (chat completions, completions, responses)
+    Serve(serve::ServeArgs),
 }
 
 /// Arguments of `lockstep inspect`.
@@ -100,6 +105,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Chat(args) => chat::run(&args, &mut std::io::stdin().lock(), &mut out),
         Command::Check(args) => check::run(&args, &mut out),
         Command::Bench(args) => bench::run(&args, &mut out),
+        Command::Serve(args) => serve::run(&args, &mut out),
         Command::Inspect(args) => {
             let path = model_arg::resolve(&args.model)?;
             inspect::run(&path, &mut out)

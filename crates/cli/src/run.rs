@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::args::{ModelArgs, SamplingArgs, StopArgs};
 use crate::session::{self, Generation, PromptArgs, Session};
+use crate::spec_args::{SpecArgs, SpecReport};
 
 /// Arguments of `lockstep run`.
 #[derive(Debug, Args)]
@@ -20,6 +21,8 @@ pub struct RunArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     stop: StopArgs,
+    #[command(flatten)]
+    spec: SpecArgs,
 
     /// Output: the text as it is generated, or one JSON object (the last line of stdout)
     /// with prompt_tokens, tokens, logprobs, text, finish_reason ("stop" or "length"),
@@ -58,6 +61,8 @@ struct RunReport<'a> {
     timings: RunTimings,
     #[serde(skip_serializing_if = "Option::is_none")]
     top_logprobs: Option<Vec<Vec<(u32, f32)>>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    spec: Option<SpecReport>,
 }
 
 #[derive(Debug, Serialize)]
@@ -83,7 +88,7 @@ impl RunTimings {
 
 /// Runs `lockstep run`.
 pub fn run(args: &RunArgs, out: &mut dyn Write) -> anyhow::Result<()> {
-    let session = Session::open(&args.model, args.prompt.chat)?;
+    let session = Session::open_with_spec(&args.model, args.prompt.chat, Some(&args.spec))?;
     let prompt = session.prompt_tokens(&args.prompt)?;
     let seed = args.sampling.seed_or_random();
     let mut req = session::request(prompt, &args.sampling, &args.stop, seed)?;
@@ -111,6 +116,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             seed,
             timings: RunTimings::of(&generation),
             top_logprobs: args.top_logprobs.map(|_| steps),
+            spec: generation
+                .spec
+                .as_ref()
+                .filter(|_| args.spec.stats)
+                .map(SpecReport::of),
         };
         writeln!(out, "{}", serde_json::to_string(&report)?)?;
     } else {
@@ -118,5 +128,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     }
     out.flush()?;
     eprintln!("{}", generation.summary(seed));
+    if args.spec.stats {
+        match &generation.spec {
+            Some(s) => eprintln!("{}", SpecReport::of(s).line()),
+            None => eprintln!("spec: off"),
+        }
+    }
     Ok(())
 }

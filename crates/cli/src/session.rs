@@ -68,6 +68,16 @@ impl Session {
     /// a time. With `need_template`, a model without a chat template is refused before the
     /// weights are loaded.
     pub fn open(args: &ModelArgs, need_template: bool) -> anyhow::Result<Session> {
+        Session::open_with_spec(args, need_template, None)
+    }
+
+    /// [`Session::open`] with speculative decoding set up from `spec` (loading and
+    /// checking a draft model when one is named).
+    pub fn open_with_spec(
+        args: &ModelArgs,
+        need_template: bool,
+        spec: Option<&crate::spec_args::SpecArgs>,
+    ) -> anyhow::Result<Session> {
         let path = load::resolve_model_path(&args.model)?;
         let name = load::display_name(&args.model, &path);
         let gguf = load::open_gguf(&path)?;
@@ -87,6 +97,13 @@ impl Session {
             kv_tokens: n_ctx + block,
             context_len: n_ctx,
             ..EngineConfig::default()
+        };
+        let cfg = match spec {
+            Some(s) => EngineConfig {
+                spec: s.engine_spec(&tokenizer, model.config().n_vocab, args, cfg.kv_tokens)?,
+                ..cfg
+            },
+            None => cfg,
         };
         let engine = Engine::start(Box::new(ModelBackend::new(model)), tokenizer.clone(), cfg)
             .context("starting the engine")?;
@@ -171,6 +188,7 @@ impl Session {
                         text,
                         reason,
                         timings,
+                        spec: usage.spec,
                     });
                 }
                 Event::Error(e) => bail!("generation failed: {e}"),
@@ -216,6 +234,8 @@ pub struct Generation {
     pub reason: FinishReason,
     /// Phase timings.
     pub timings: Timings,
+    /// Speculation counters (when the request speculated).
+    pub spec: Option<engine::SpecStats>,
 }
 
 impl Generation {

@@ -8,6 +8,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::thread::JoinHandle;
 
 pub use sampling::{FinishReason, SamplingParams, StopCause, TokenMask};
+pub use spec::SpecStats;
 
 use crate::step::{self, Shared};
 
@@ -15,8 +16,8 @@ use crate::step::{self, Shared};
 // Configuration
 // ---------------------------------------------------------------------------------------
 
-/// How the engine schedules and how big its KV pool is.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// How the engine schedules, how big its KV pool is, and how it speculates.
+#[derive(Clone, Debug, PartialEq)]
 pub struct EngineConfig {
     /// Sequences running at once (decoding or prefilling), at least 1.
     pub max_seqs: usize,
@@ -38,11 +39,52 @@ pub struct EngineConfig {
     /// Reuse the KV of repeated prompt prefixes (prefix cache). On by default; off gives
     /// the reference behaviour that tests compare against (the output is identical).
     pub prefix_cache: bool,
+    /// Speculative decoding (off by default; output is identical either way, G2).
+    pub spec: SpecConfig,
+}
+
+/// Whether the engine speculates for requests that bring no drafter of their own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SpecMode {
+    /// Plain decoding: one forward and one choice per token.
+    #[default]
+    Off,
+    /// Draft with [`SpecConfig::drafters`] under the adaptive policy.
+    Auto,
+}
+
+/// Speculative decoding settings: which drafters each new sequence gets and the adaptive
+/// policy that decides when and how far they draft.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SpecConfig {
+    /// Off, or automatic with the drafters below.
+    pub mode: SpecMode,
+    /// Drafters of each new sequence (fast-forward, n-gram, draft model).
+    pub drafters: spec::DrafterSet,
+    /// The adaptive policy (draft length, confidence bars, back-off, margin gate, cost
+    /// model).
+    pub policy: spec::PolicyConfig,
+}
+
+impl SpecConfig {
+    /// Automatic speculation with `drafters` and the default policy.
+    pub fn auto(drafters: spec::DrafterSet) -> SpecConfig {
+        SpecConfig {
+            mode: SpecMode::Auto,
+            drafters,
+            policy: spec::PolicyConfig::default(),
+        }
+    }
+
+    /// Whether new sequences speculate by default.
+    pub fn is_on(&self) -> bool {
+        self.mode == SpecMode::Auto && !self.drafters.is_empty()
+    }
 }
 
 impl Default for EngineConfig {
     /// 8 sequences, 16,384 KV token slots, 512 rows per step, 256-row prefill chunks, a
-    /// queue of 64, the backend's context, prefix cache on.
+    /// queue of 64, the backend's context, prefix cache on, speculation off.
     fn default() -> Self {
         EngineConfig {
             max_seqs: 8,
@@ -52,6 +94,7 @@ impl Default for EngineConfig {
             queue_capacity: 64,
             context_len: 0,
             prefix_cache: true,
+            spec: SpecConfig::default(),
         }
     }
 }
@@ -118,6 +161,14 @@ pub struct GenerateRequest {
     pub logit_digests: bool,
     /// A constraint (grammar) every generated token must satisfy.
     pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// This request's own drafter (tests: an oracle or an adversary); it speculates with
+    /// it whatever [`SpecConfig::mode`] says. `None` = the engine's drafters when
+    /// speculation is on.
+    pub drafter: Option<Box<dyn spec::Drafter>>,
+    /// This request's own adaptive policy (`None` = [`SpecConfig::policy`]).
+    pub spec_policy: Option<spec::PolicyConfig>,
+    /// Plain decoding for this request even when the engine speculates.
+    pub no_spec: bool,
 }
 
 impl GenerateRequest {
@@ -132,6 +183,9 @@ impl GenerateRequest {
             logprobs: None,
             logit_digests: false,
             constraint: None,
+            drafter: None,
+            spec_policy: None,
+            no_spec: false,
         }
     }
 }
@@ -147,6 +201,9 @@ impl std::fmt::Debug for GenerateRequest {
             .field("logprobs", &self.logprobs)
             .field("logit_digests", &self.logit_digests)
             .field("constraint", &self.constraint.is_some())
+            .field("drafter", &self.drafter.as_ref().map(|d| d.kind()))
+            .field("spec_policy", &self.spec_policy)
+            .field("no_spec", &self.no_spec)
             .finish()
     }
 }
@@ -160,6 +217,8 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Prompt tokens whose KV came from the prefix cache instead of being computed.
     pub cached_tokens: usize,
+    /// Speculation counters, when the request speculated (`None` in plain decoding).
+    pub spec: Option<SpecStats>,
 }
 
 /// Wall-clock phases of a request, in milliseconds.
@@ -387,6 +446,10 @@ pub struct EngineMetrics {
     pub requests_cancelled: u64,
     /// Requests that ended with an error.
     pub requests_failed: u64,
+    /// Speculation counters over all requests (finished or not).
+    pub spec: SpecStats,
+    /// Whether the cost model currently lets the draft model run.
+    pub spec_draft_model_on: bool,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -564,5 +627,11 @@ pub trait TokenConstraint: Send {
     /// Tokens the constraint forces from here (grammar fast-forward); empty = free choice.
     fn forced_tokens(&mut self) -> Vec<u32> {
         Vec::new()
+    }
+    /// Whether `token` is allowed next (the same answer as the mask; implementations may
+    /// answer faster than computing the whole mask).
+    fn accepts(&mut self, token: u32) -> bool {
+        let mut mask = TokenMask::new(token as usize + 1);
+        self.compute_mask(&mut mask).is_ok() && mask.get(token)
     }
 }

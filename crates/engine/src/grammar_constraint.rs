@@ -28,4 +28,8 @@ impl TokenConstraint for GrammarMatcher {
     fn forced_tokens(&mut self) -> Vec<u32> {
         GrammarMatcher::forced_tokens(self)
     }
+
+    fn accepts(&mut self, token: u32) -> bool {
+        GrammarMatcher::accepts(self, token)
+    }
 }

@@ -50,7 +50,8 @@ mod step;
 pub use api::{
     BackendError, Completion, Engine, EngineConfig, EngineError, EngineMetrics, Event, EventIter,
     FinishReason, ForwardBackend, ForwardRow, GenerateRequest, KvSlot, RequestHandle,
-    SamplingParams, StopCause, SubmitError, Timings, TokenConstraint, TokenMask, Usage,
+    SamplingParams, SpecConfig, SpecMode, SpecStats, StopCause, SubmitError, Timings,
+    TokenConstraint, TokenMask, Usage,
 };
 pub use fake::{FakeBackend, FakeStats, fake_logits};
 pub use model_backend::ModelBackend;

@@ -4,10 +4,14 @@
 //! over the rows of every scheduled sequence, and chooses the next token of each sequence
 //! whose catch-up is complete, with the sampling crate's one rule.
 //!
-//! Speculation hooks: a sequence's `extra_rows` (verify drafts) already flows through the
-//! scheduler; [`Loop::rows_for`] is where the verify block's draft rows join the batch, and
-//! [`Loop::choose_at`] where a verifier walks several logit rows and rolls KV back with
-//! `ForwardBackend::kv_truncate` on rejection.
+//! Speculation: before planning, each speculating sequence in the decode phase asks its
+//! drafter for a proposal ([`Loop::propose_drafts`], masked by a fork of its constraint);
+//! the drafts become the sequence's `extra_rows`, and [`Loop::rows_for`] puts the verify
+//! block `[t, d1..dk]` into the step's one batched forward. [`Loop::verify_at`] walks the
+//! rows with the verified constraint through the same [`Loop::choose_at`] plain decoding
+//! uses (so events, stops and usage are exactly plain decoding's), accepts while the
+//! target's choice equals the draft, and rolls the KV back with
+//! `ForwardBackend::kv_truncate` to the committed length.
 
 use crate::api::{
     BackendError, EngineConfig, EngineError, EngineMetrics, Event, FinishReason, ForwardBackend,
@@ -18,6 +22,10 @@ use crate::prefix::{BlockHash, PrefixIndex, chain_hash};
 use crate::scheduler::{KvBudget, RunningSeq, SchedLimits, StepPlan, WaitingSeq, plan_step};
 use sampling::{ChoiceContext, Sampler, SamplingParams, StopChecker, StopStep};
 use sha2::{Digest, Sha256};
+use spec::{
+    CostModel, DraftContext, DraftMirror, Drafter, DrafterKind, Mirror, PolicyConfig, SeqPolicy,
+    SpecStats,
+};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Sender, channel};
@@ -260,6 +268,47 @@ struct Seq<'t> {
     submitted: Instant,
     admitted: Option<Instant>,
     first_token: Option<Instant>,
+    /// Speculation state (`None` = plain decoding).
+    spec: Option<SeqSpec>,
+}
+
+/// One sequence's speculation state.
+struct SeqSpec {
+    drafter: Box<dyn Drafter>,
+    policy: SeqPolicy,
+    cfg: PolicyConfig,
+    stats: SpecStats,
+    /// This step's drafts (verified after the forward, then cleared).
+    drafts: Vec<u32>,
+    /// Of the drafts, how many were grammar-forced.
+    forced: usize,
+    /// The drafter kind of the non-forced drafts.
+    source: Option<DrafterKind>,
+    /// Drafting time of this step's proposal (costly drafters), µs.
+    cost_us: u64,
+    /// The top1 − top2 margin of the logits that chose the last committed token.
+    margin: Option<f32>,
+}
+
+/// The speculative mirror: a fork of a sequence's constraint, as drafters see it.
+struct ConstraintMirror(Box<dyn TokenConstraint>);
+
+impl DraftMirror for ConstraintMirror {
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
+        self.0.compute_mask(mask)
+    }
+    fn accepts(&mut self, token: u32) -> bool {
+        self.0.accepts(token)
+    }
+    fn consume(&mut self, token: u32) -> Result<(), String> {
+        self.0.consume(token)
+    }
+    fn is_finished(&self) -> bool {
+        self.0.is_finished()
+    }
+    fn forced_tokens(&mut self) -> Vec<u32> {
+        self.0.forced_tokens()
+    }
 }
 
 impl Seq<'_> {
@@ -304,6 +353,8 @@ struct Loop<'t> {
     metrics: EngineMetrics,
     step_ms_total: f64,
     occupancy_total: f64,
+    /// Engine-wide speculation cost measurements.
+    cost: CostModel,
 }
 
 fn run(
@@ -337,6 +388,7 @@ fn run(
         metrics: lock(&shared.metrics).clone(),
         step_ms_total: 0.0,
         occupancy_total: 0.0,
+        cost: CostModel::new(),
     };
     loop {
         let incoming = {
@@ -378,6 +430,26 @@ impl<'t> Loop<'t> {
     /// A new request joins the waiting queue (or finishes at once for `max_tokens: 0`).
     fn accept(&mut self, p: Pending) {
         let req = p.req;
+        let spec_cfg = &self.cfg.spec;
+        let drafter: Option<Box<dyn Drafter>> = match req.drafter {
+            Some(d) if !req.no_spec => Some(d),
+            None if !req.no_spec && spec_cfg.is_on() => Some(Box::new(spec_cfg.drafters.build())),
+            _ => None,
+        };
+        let spec = drafter.map(|drafter| SeqSpec {
+            drafter,
+            policy: SeqPolicy::new(),
+            cfg: req
+                .spec_policy
+                .clone()
+                .unwrap_or_else(|| spec_cfg.policy.clone()),
+            stats: SpecStats::default(),
+            drafts: Vec::new(),
+            forced: 0,
+            source: None,
+            cost_us: 0,
+            margin: None,
+        });
         let seq = Seq {
             id: p.id,
             events: p.events,
@@ -404,6 +476,7 @@ impl<'t> Loop<'t> {
             submitted: p.submitted,
             admitted: None,
             first_token: None,
+            spec,
         };
         if seq.max_tokens == Some(0) {
             self.dequeue();
@@ -423,6 +496,9 @@ impl<'t> Loop<'t> {
         seq.computed = 0;
         seq.cow_pending = false;
         seq.published = 0;
+        if let Some(sp) = seq.spec.as_mut() {
+            sp.drafts.clear();
+        }
     }
 
     /// Ends a sequence: frees everything, updates the counters, sends the last event
@@ -457,6 +533,7 @@ impl<'t> Loop<'t> {
                     prompt_tokens: seq.prompt_len,
                     completion_tokens: seq.generated(),
                     cached_tokens: seq.cached_tokens.unwrap_or(0),
+                    spec: seq.spec.as_ref().map(|sp| sp.stats),
                 };
                 seq.send(Event::Finished {
                     reason,
@@ -512,6 +589,7 @@ impl<'t> Loop<'t> {
 
     fn step(&mut self) {
         let t0 = Instant::now();
+        self.propose_drafts();
         let bs = self.limits.block_size;
         let sched_limits = SchedLimits {
             max_seqs: self.cfg.max_seqs,
@@ -526,7 +604,7 @@ impl<'t> Loop<'t> {
                 id: s.id,
                 computed: s.computed,
                 total: s.tokens.len(),
-                extra_rows: 0,
+                extra_rows: s.spec.as_ref().map_or(0, |sp| sp.drafts.len()),
                 cow_blocks: usize::from(s.cow_pending),
             })
             .collect();
@@ -651,6 +729,24 @@ impl<'t> Loop<'t> {
         for &id in &plan.admit {
             let _ = self.admit(id);
         }
+        // Drafts the scheduler did not grant rows for are dropped (a scheduler skip).
+        for s in self.running.iter_mut() {
+            let Some(sp) = s.spec.as_mut() else { continue };
+            if sp.drafts.is_empty() {
+                continue;
+            }
+            let granted = plan
+                .grants
+                .iter()
+                .find(|g| g.id == s.id)
+                .map_or(0, |g| g.rows.saturating_sub(1));
+            if granted < sp.drafts.len() {
+                sp.drafts.truncate(granted);
+                sp.forced = sp.forced.min(granted);
+                sp.stats.sched_skips += 1;
+                self.metrics.spec.sched_skips += 1;
+            }
+        }
         // Prepare every granted sequence's KV, evicting cached blocks on demand.
         let mut grants: Vec<(u64, usize)> = Vec::new();
         for g in &plan.grants {
@@ -686,6 +782,9 @@ impl<'t> Loop<'t> {
             return;
         }
         let rows_total: usize = grants.iter().map(|g| g.1).sum();
+        // A step of decode and verify rows only (no prefill) measures the cost model.
+        let decode_only = grants.iter().all(|&(id, r)| self.logit_rows(id, r) == r);
+        let t_fwd = Instant::now();
         let rows = self.rows_for(&grants);
         let mut logits = std::mem::take(&mut self.logits);
         let ok = self.backend.forward(&rows, &mut logits);
@@ -695,10 +794,10 @@ impl<'t> Loop<'t> {
                 let n = self.limits.n_vocab;
                 let mut at = 0;
                 for &(id, r) in &grants {
-                    let wants = self.wants_logits(id, r);
-                    let l = if wants {
-                        let row = logits.get(at * n..(at + 1) * n).map(<[f32]>::to_vec);
-                        at += 1;
+                    let k = self.logit_rows(id, r);
+                    let l = if k > 0 {
+                        let row = logits.get(at * n..(at + k) * n).map(<[f32]>::to_vec);
+                        at += k;
                         row.ok_or_else(|| "the backend returned too few logit rows".to_string())
                     } else {
                         Ok(Vec::new())
@@ -712,7 +811,7 @@ impl<'t> Loop<'t> {
                 for &(id, r) in &grants {
                     let rows = self.rows_for(&[(id, r)]);
                     let l = match self.backend.forward(&rows, &mut logits) {
-                        Ok(()) if self.wants_logits(id, r) => Ok(logits.clone()),
+                        Ok(()) if self.logit_rows(id, r) > 0 => Ok(logits.clone()),
                         Ok(()) => Ok(Vec::new()),
                         Err(e) => Err(format!("forward failed: {e}")),
                     };
@@ -740,9 +839,18 @@ impl<'t> Loop<'t> {
                     let s = self.running.remove(at);
                     self.end(s, Exit::Failed(msg));
                 }
+                Ok(l) if l.len() > self.limits.n_vocab => {
+                    if let Some(exit) = self.verify_at(at, &l) {
+                        let s = self.running.remove(at);
+                        self.end(s, exit);
+                    }
+                }
                 Ok(l) => {
                     self.running[at].computed += r;
                     self.publish_blocks(at);
+                    if let Some(sp) = self.running[at].spec.as_mut() {
+                        sp.drafts.clear();
+                    }
                     if !l.is_empty()
                         && let Some(exit) = self.choose_at(at, &l)
                     {
@@ -752,6 +860,10 @@ impl<'t> Loop<'t> {
                 }
             }
         }
+        if decode_only {
+            self.cost
+                .observe_step(rows_total, t_fwd.elapsed().as_secs_f64() * 1e3);
+        }
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let m = &mut self.metrics;
         m.last_step_ms = ms;
@@ -759,19 +871,31 @@ impl<'t> Loop<'t> {
         m.mean_step_ms = self.step_ms_total / m.steps as f64;
     }
 
-    /// Whether a grant of `rows` completes the sequence's catch-up (its last row's logits
-    /// choose the next token).
-    fn wants_logits(&self, id: u64, rows: usize) -> bool {
+    /// The sequence's drafts this step when a grant of `rows` is its verify block
+    /// `[t, d1..dk]` (the committed token's row plus every draft).
+    fn verify_drafts<'a>(s: &'a Seq<'_>, rows: usize) -> Option<&'a [u32]> {
+        let sp = s.spec.as_ref()?;
+        (!sp.drafts.is_empty() && s.computed + 1 == s.tokens.len() && rows == 1 + sp.drafts.len())
+            .then_some(&sp.drafts[..])
+    }
+
+    /// How many rows of a grant of `rows` want logits: every row of a verify block, the
+    /// last row of a grant that completes the catch-up, none otherwise.
+    fn logit_rows(&self, id: u64, rows: usize) -> usize {
         self.position_running(id)
             .map(|at| {
                 let s = &self.running[at];
-                s.computed + rows == s.tokens.len()
+                if Self::verify_drafts(s, rows).is_some() {
+                    rows
+                } else {
+                    usize::from(s.computed + rows == s.tokens.len())
+                }
             })
-            .unwrap_or(false)
+            .unwrap_or(0)
     }
 
-    /// The forward rows of the grants. Speculation adds a verify block's draft rows here
-    /// (all with logits) after the committed catch-up rows.
+    /// The forward rows of the grants: committed catch-up rows, and for a verify block the
+    /// draft rows after the committed token (every row with logits).
     fn rows_for(&self, grants: &[(u64, usize)]) -> Vec<ForwardRow> {
         let mut rows = Vec::new();
         for &(id, r) in grants {
@@ -780,6 +904,24 @@ impl<'t> Loop<'t> {
             };
             let s = &self.running[at];
             let Some(slot) = s.slot else { continue };
+            if let Some(drafts) = Self::verify_drafts(s, r) {
+                let t = s.computed;
+                rows.push(ForwardRow {
+                    slot,
+                    token: s.tokens[t],
+                    pos: t,
+                    wants_logits: true,
+                });
+                for (j, &d) in drafts.iter().enumerate() {
+                    rows.push(ForwardRow {
+                        slot,
+                        token: d,
+                        pos: t + 1 + j,
+                        wants_logits: true,
+                    });
+                }
+                continue;
+            }
             let to = s.computed + r;
             for pos in s.computed..to {
                 rows.push(ForwardRow {
@@ -850,6 +992,10 @@ impl<'t> Loop<'t> {
             Err(e) => return Some(Exit::Failed(format!("sampling: {e}"))),
         };
         let token = choice.token;
+        if let Some(sp) = s.spec.as_mut() {
+            sp.margin =
+                (sp.cfg.margin_bar > 0.0).then(|| top2_margin(logits, allowed, &self.never));
+        }
         if let Some(c) = s.constraint.as_mut()
             && let Err(e) = c.consume(token)
         {
@@ -906,6 +1052,155 @@ impl<'t> Loop<'t> {
         None
     }
 
+    /// Asks each speculating sequence in the decode phase for a proposal under its
+    /// adaptive policy, masked by a fresh fork of its constraint (the speculative mirror;
+    /// dropped afterwards, so the verified constraint never sees a draft).
+    fn propose_drafts(&mut self) {
+        let n_vocab = self.limits.n_vocab;
+        let context_len = self.limits.context_len;
+        let eos = self.tok.eos_ids();
+        for s in self.running.iter_mut() {
+            let Some(sp) = s.spec.as_mut() else { continue };
+            sp.drafts.clear();
+            sp.forced = 0;
+            sp.source = None;
+            sp.cost_us = 0;
+            if s.slot.is_none() || s.computed + 1 != s.tokens.len() {
+                continue;
+            }
+            // Room: up to k drafts commit k + 1 tokens; the last row stays in the context.
+            let generated = s.tokens.len() - s.prompt_len;
+            let by_max = s
+                .max_tokens
+                .map_or(usize::MAX, |m| m.saturating_sub(generated + 1));
+            let by_ctx = context_len.saturating_sub(s.tokens.len() + 1);
+            let room = by_max.min(by_ctx).min(sp.cfg.max_draft);
+            let plan = sp.policy.plan(&sp.cfg, &self.cost, room, sp.margin);
+            if room == 0 || (plan.max_draft == 0 && s.constraint.is_none()) {
+                sp.stats.no_draft += 1;
+                self.metrics.spec.no_draft += 1;
+                continue;
+            }
+            let allow_costly = !sp.cfg.cost_model || self.cost.costly_pays(room);
+            self.metrics.spec_draft_model_on = allow_costly;
+            let mut fork = s.constraint.as_ref().map(|c| ConstraintMirror(c.fork()));
+            let mut mirror = match fork.as_mut() {
+                Some(f) => Mirror::new(f, n_vocab),
+                None => Mirror::unconstrained(),
+            };
+            let ctx = DraftContext {
+                tokens: &s.tokens,
+                prompt_len: s.prompt_len,
+                params: &s.params,
+                never: &self.never,
+                max_tokens: room,
+                max_draft: plan.max_draft.min(room),
+                allow_costly,
+                bars: &plan.bars,
+                eos_ends: !s.ignore_eos,
+                eos,
+            };
+            let mut prop = sp.drafter.propose(&ctx, &mut mirror);
+            // Never more than the room, never a token outside the logits.
+            prop.tokens.truncate(room);
+            if let Some(bad) = prop.tokens.iter().position(|&t| t as usize >= n_vocab) {
+                prop.tokens.truncate(bad);
+            }
+            if let Some(kind) = prop.source {
+                self.cost.observe_draft(
+                    kind,
+                    prop.tokens.len() - prop.forced.min(prop.tokens.len()),
+                    prop.cost_us,
+                );
+            }
+            if prop.tokens.is_empty() {
+                sp.stats.no_draft += 1;
+                self.metrics.spec.no_draft += 1;
+                continue;
+            }
+            sp.forced = prop.forced.min(prop.tokens.len());
+            sp.source = prop.source;
+            sp.cost_us = prop.cost_us;
+            sp.drafts = prop.tokens;
+        }
+    }
+
+    /// Verifies sequence `at`'s block `[t, d1..dk]` from its `k + 1` logit rows: walks the
+    /// rows with the plain choice ([`Loop::choose_at`], which emits each token exactly as
+    /// plain decoding does and checks every stop), accepting while the target's choice
+    /// equals the draft; the first mismatch is the target's own (bonus) token. Then the KV
+    /// is truncated to the committed length and the drafter told what was committed.
+    fn verify_at(&mut self, at: usize, logits: &[f32]) -> Option<Exit> {
+        let n = self.limits.n_vocab;
+        let (drafts, forced, source, cost_us) = {
+            let s = &mut self.running[at];
+            let sp = s.spec.as_mut()?;
+            (
+                std::mem::take(&mut sp.drafts),
+                sp.forced,
+                sp.source,
+                sp.cost_us,
+            )
+        };
+        let k = drafts.len();
+        let start = self.running[at].tokens.len();
+        // Row 0 is the committed token `t`: its KV is now written.
+        self.running[at].computed = start;
+        self.publish_blocks(at);
+        let mut accepted = 0usize;
+        let mut exit = None;
+        for i in 0..=k {
+            let row = &logits[i * n..(i + 1) * n];
+            let before = self.running[at].tokens.len();
+            let e = self.choose_at(at, row);
+            let s = &self.running[at];
+            let chose = (s.tokens.len() > before).then(|| s.tokens[before]);
+            let matched = i < k && chose == Some(drafts[i]);
+            if matched {
+                accepted += 1;
+            }
+            if e.is_some() {
+                exit = e;
+                break;
+            }
+            if !matched {
+                break;
+            }
+        }
+        // Statistics: the cycle, the policy, the cost model, time saved.
+        let free = k - forced.min(k);
+        let free_accepted = accepted.saturating_sub(forced.min(k));
+        let t1 = self.cost.single_row_ms();
+        let row = self.cost.row_ms();
+        let saved_ms = accepted as f64 * t1 - k as f64 * row - cost_us as f64 / 1e3;
+        let saved_us = (saved_ms * 1e3).round() as i64;
+        if let Some(kind) = source {
+            self.cost.observe_cycle(kind, free, free_accepted);
+        }
+        self.metrics
+            .spec
+            .record_cycle(k, forced.min(k), accepted, saved_us);
+        let s = &mut self.running[at];
+        if let Some(sp) = s.spec.as_mut() {
+            sp.stats.record_cycle(k, forced.min(k), accepted, saved_us);
+            sp.policy.record(source, free, free_accepted);
+        }
+        if exit.is_some() {
+            return exit;
+        }
+        // Committed: t, the accepted drafts and the bonus; KV holds t and the accepted.
+        let committed = start + accepted;
+        s.computed = committed;
+        if let Some(slot) = s.slot {
+            self.backend.kv_truncate(slot, committed);
+        }
+        if let Some(sp) = s.spec.as_mut() {
+            sp.drafter.observe(&s.tokens);
+        }
+        self.publish_blocks(at);
+        None
+    }
+
     fn publish_metrics(&mut self) {
         self.metrics.running = self.running.len();
         self.metrics.kv_free_blocks = self.backend.free_blocks();
@@ -957,6 +1252,25 @@ fn final_text(seq: &mut Seq<'_>, reason: FinishReason) -> String {
         }
         StopStep::Stopped { emit, .. } => emit,
     }
+}
+
+/// The top1 − top2 margin of `logits` over the tokens that may be chosen (`allowed`, or
+/// all, minus `never`); 0 when fewer than two may be chosen.
+fn top2_margin(logits: &[f32], allowed: Option<&TokenMask>, never: &TokenMask) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for (t, &v) in logits.iter().enumerate() {
+        let t = t as u32;
+        if never.get(t) || allowed.is_some_and(|m| !m.get(t)) {
+            continue;
+        }
+        if v > a {
+            b = a;
+            a = v;
+        } else if v > b {
+            b = v;
+        }
+    }
+    if b.is_finite() { a - b } else { 0.0 }
 }
 
 /// SHA-256 of a logit row's little-endian f32 bytes.

@@ -53,6 +53,7 @@ pub fn config() -> EngineConfig {
         queue_capacity: 64,
         context_len: 0,
         prefix_cache: true,
+        spec: Default::default(),
     }
 }
 
@@ -218,6 +219,13 @@ impl TokenConstraint for Scripted {
     fn rollback(&mut self, n: usize) -> Result<(), String> {
         self.step = self.step.checked_sub(n).ok_or("rollback too far")?;
         Ok(())
+    }
+    fn forced_tokens(&mut self) -> Vec<u32> {
+        self.script[self.step.min(self.script.len())..]
+            .iter()
+            .take_while(|set| set.len() == 1)
+            .map(|set| set[0])
+            .collect()
     }
     fn fork(&self) -> Box<dyn TokenConstraint> {
         Box::new(Scripted {

@@ -2,6 +2,7 @@
 //! cancellation, admission control, per-sequence failures, stop conditions and text.
 
 mod common;
+mod speculation;
 
 use common::*;
 use lockstep_engine::{

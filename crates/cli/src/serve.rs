@@ -1,0 +1,97 @@
+//! `lockstep serve`: the OpenAI-compatible HTTP server (crate `server`) for one model.
+
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+
+use crate::args::ModelArgs;
+use crate::load;
+
+/// Arguments of `lockstep serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+
+    /// Address to listen on
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
+    pub host: IpAddr,
+
+    /// Port to listen on (0 = any free port)
+    #[arg(long, value_name = "PORT", default_value_t = 8080)]
+    pub port: u16,
+
+    /// Sequences generated at once (continuous batching)
+    #[arg(long = "max-seqs", value_name = "N", default_value_t = 8,
+          value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub max_seqs: u32,
+
+    /// Requests waiting for a free sequence before new ones get HTTP 429
+    #[arg(long = "queue", value_name = "N", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub queue: u32,
+
+    /// Require `Authorization: Bearer KEY` on /v1/* (also from LOCKSTEP_API_KEY)
+    #[arg(
+        long = "api-key",
+        value_name = "KEY",
+        env = "LOCKSTEP_API_KEY",
+        hide_env_values = true
+    )]
+    pub api_key: Option<String>,
+
+    /// Largest request body in MiB (larger bodies get HTTP 413)
+    #[arg(long = "body-limit-mib", value_name = "MIB", default_value_t = 8,
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub body_limit_mib: u32,
+
+    /// Seconds in-flight requests get to finish after Ctrl-C/SIGTERM before they are cancelled
+    #[arg(long = "shutdown-grace", value_name = "SECS", default_value_t = 30)]
+    pub shutdown_grace: u64,
+}
+
+/// Loads the model and serves until Ctrl-C or SIGTERM.
+pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
+    let path = load::resolve_model_path(&args.model.model)?;
+    let name = load::display_name(&args.model.model, &path);
+    let gguf = load::open_gguf(&path)?;
+    let n_ctx = load::context_length(&gguf, args.model.ctx_size)?;
+    let kv_type: model::KvType = args.model.kv_type.into();
+    load::check_memory(&gguf, n_ctx, kv_type)?;
+    drop(gguf);
+    let opts = server::ModelOptions {
+        name: name.clone(),
+        aliases: Vec::new(),
+        threads: args.model.threads(),
+        ctx_size: Some(n_ctx),
+        max_seqs: args.max_seqs as usize,
+        queue_capacity: args.queue as usize,
+        kv_tokens: None,
+        kv_type,
+    };
+    let model = Arc::new(
+        server::ServedModel::load(&path, &opts)
+            .with_context(|| format!("loading {}", path.display()))?,
+    );
+    let config = server::ServerConfig {
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        body_limit: args.body_limit_mib as usize * 1024 * 1024,
+        shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        ..server::ServerConfig::default()
+    };
+    let addr = SocketAddr::new(args.host, args.port);
+    let ctx = model.context_len();
+    server::serve_blocking(addr, model, config, |bound| {
+        let _ = writeln!(
+            out,
+            "lockstep serving {name} (context {ctx}) at http://{bound}/v1 — Ctrl-C to stop"
+        );
+        let _ = out.flush();
+    })
+    .with_context(|| format!("serving on {addr}"))?;
+    Ok(())
+}

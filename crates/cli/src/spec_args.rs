@@ -1,0 +1,206 @@
+//! Speculative decoding flags (`--spec`, `--draft`, `--ngram`, `--spec-*`) and the
+//! counters printout of `--spec-stats`. Output is identical with speculation on or off.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use engine::{SpecConfig, SpecMode, SpecStats};
+use serde::Serialize;
+use spec::{DraftModel, DrafterSet, NgramConfig, PolicyConfig};
+use text::Tokenizer;
+
+use crate::args::ModelArgs;
+use crate::load;
+
+/// `--spec`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SpecModeArg {
+    /// Plain decoding
+    Off,
+    /// Draft with the chosen drafters (n-gram + grammar fast-forward when none is named)
+    Auto,
+}
+
+/// Speculative decoding flags.
+#[derive(Debug, Clone, Args)]
+pub struct SpecArgs {
+    /// Speculative decoding: off, or auto (default: auto when --draft or --ngram is given).
+    /// The output is bit-identical either way
+    #[arg(long = "spec", value_enum, value_name = "MODE")]
+    pub spec: Option<SpecModeArg>,
+
+    /// Draft model with the same tokenizer (a known name or a .gguf path), e.g.
+    /// qwen2.5-coder-0.5b for qwen2.5-coder-1.5b; turned off by the cost model when it does
+    /// not pay
+    #[arg(long = "draft", value_name = "MODEL")]
+    pub draft: Option<String>,
+
+    /// n-gram / prompt-lookup drafting with keys of up to N tokens (default 3)
+    #[arg(long = "ngram", value_name = "N", num_args = 0..=1, default_missing_value = "3",
+          value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub ngram: Option<u16>,
+
+    /// Most draft tokens per verify cycle
+    #[arg(long = "spec-max-draft", value_name = "K", default_value_t = 8,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub max_draft: u16,
+
+    /// Per-position confidence bars for drafters with a confidence (the draft model)
+    #[arg(
+        long = "spec-confidence-grid",
+        value_name = "LIST",
+        value_delimiter = ',',
+        default_value = "0.55,0.6,0.65"
+    )]
+    pub confidence_grid: Vec<f32>,
+
+    /// Do not draft when the target's top1 - top2 logit margin for the last token is
+    /// below X (0 = off)
+    #[arg(long = "spec-margin", value_name = "X", default_value_t = 0.0)]
+    pub margin: f32,
+
+    /// Print the speculation counters (stderr; in --output json as a "spec" object)
+    #[arg(long = "spec-stats")]
+    pub stats: bool,
+}
+
+impl SpecArgs {
+    /// Whether speculation is on.
+    pub fn enabled(&self) -> bool {
+        match self.spec {
+            Some(SpecModeArg::Off) => false,
+            Some(SpecModeArg::Auto) => true,
+            None => self.draft.is_some() || self.ngram.is_some(),
+        }
+    }
+
+    /// The engine's speculation settings for a target with tokenizer `tok` and logit width
+    /// `n_vocab`; loads and checks the draft model (`model` gives threads, context, KV
+    /// type).
+    pub fn engine_spec(
+        &self,
+        tok: &Tokenizer,
+        n_vocab: usize,
+        model: &ModelArgs,
+        kv_tokens: usize,
+    ) -> anyhow::Result<SpecConfig> {
+        if !self.enabled() {
+            return Ok(SpecConfig::default());
+        }
+        for &b in &self.confidence_grid {
+            anyhow::ensure!(
+                (0.0..=1.0).contains(&b),
+                "--spec-confidence-grid values must be in 0..=1, got {b}"
+            );
+        }
+        anyhow::ensure!(
+            self.margin.is_finite() && self.margin >= 0.0,
+            "--spec-margin must be >= 0"
+        );
+        let draft_model = match &self.draft {
+            None => None,
+            Some(name) => {
+                let path = load::resolve_model_path(name)?;
+                let display = load::display_name(name, &path);
+                let gguf = load::open_gguf(&path)?;
+                let dtok = load::load_tokenizer(&gguf)?;
+                let dargs = ModelArgs {
+                    model: name.clone(),
+                    ..model.clone()
+                };
+                let dmodel = load::load_model(&gguf, &dargs)
+                    .with_context(|| format!("loading the draft model {display}"))?;
+                Some(DraftModel::new(
+                    display,
+                    Arc::new(dmodel),
+                    &dtok,
+                    tok,
+                    n_vocab,
+                    kv_tokens,
+                )?)
+            }
+        };
+        let ngram = match (self.ngram, &draft_model) {
+            (Some(n), _) => Some(NgramConfig {
+                max_n: usize::from(n),
+                ..NgramConfig::default()
+            }),
+            // `--spec auto` alone: the free drafters.
+            (None, None) => Some(NgramConfig::default()),
+            (None, Some(_)) => None,
+        };
+        Ok(SpecConfig {
+            mode: SpecMode::Auto,
+            drafters: DrafterSet {
+                fast_forward: true,
+                ngram,
+                draft_model,
+            },
+            policy: PolicyConfig {
+                max_draft: usize::from(self.max_draft),
+                confidence_grid: self.confidence_grid.clone(),
+                margin_bar: self.margin,
+                ..PolicyConfig::default()
+            },
+        })
+    }
+}
+
+/// The `spec` object of `--output json` (and the fields `--spec-stats` prints).
+#[derive(Debug, Clone, Serialize)]
+pub struct SpecReport {
+    cycles: u64,
+    drafted: u64,
+    accepted: u64,
+    accept_rate: f64,
+    mean_accepted: f64,
+    full: u64,
+    partial: u64,
+    miss: u64,
+    no_draft: u64,
+    sched_skips: u64,
+    forced: u64,
+    time_saved_ms: f64,
+}
+
+impl SpecReport {
+    /// The report of `s`.
+    pub fn of(s: &SpecStats) -> SpecReport {
+        SpecReport {
+            cycles: s.cycles,
+            drafted: s.drafted,
+            accepted: s.accepted,
+            accept_rate: s.accept_rate(),
+            mean_accepted: s.mean_accepted(),
+            full: s.full,
+            partial: s.partial,
+            miss: s.miss,
+            no_draft: s.no_draft,
+            sched_skips: s.sched_skips,
+            forced: s.forced,
+            time_saved_ms: s.time_saved_us as f64 / 1e3,
+        }
+    }
+
+    /// One line for stderr.
+    pub fn line(&self) -> String {
+        format!(
+            "spec: {} cycles, drafted {}, accepted {} ({:.1}%), mean accepted {:.2}, \
+             full/partial/miss {}/{}/{}, no-draft {}, scheduler skips {}, forced {}, \
+             time saved {:.1} ms (est.)",
+            self.cycles,
+            self.drafted,
+            self.accepted,
+            100.0 * self.accept_rate,
+            self.mean_accepted,
+            self.full,
+            self.partial,
+            self.miss,
+            self.no_draft,
+            self.sched_skips,
+            self.forced,
+            self.time_saved_ms
+        )
+    }
+}

@@ -1,0 +1,241 @@
+//! Structured-output constraints for the engine: grammar matchers wrapped as
+//! [`engine::TokenConstraint`], the lazy tool-call constraint (free text until the model
+//! opens a tool-call envelope, then the envelope grammar), and a small cache of compiled
+//! grammars so repeated requests (agents resend the same tools every turn) compile once.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use engine::{TokenConstraint, TokenMask};
+use grammar::{CompiledConstraint, Constraint, GrammarLimits, GrammarMatcher, TokenEnv};
+
+/// How each choice of a request gets its constraint.
+#[derive(Clone)]
+pub enum ConstraintPlan {
+    /// One grammar over the whole output.
+    Grammar(CompiledConstraint),
+    /// Free text until `trigger` (the envelope's start marker) is generated at a token
+    /// boundary; from there on `calls` (whose language starts with the trigger).
+    LazyTools {
+        /// The start marker.
+        trigger: String,
+        /// The envelope grammar.
+        calls: CompiledConstraint,
+    },
+}
+
+impl std::fmt::Debug for ConstraintPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConstraintPlan::Grammar(_) => f.write_str("ConstraintPlan::Grammar"),
+            ConstraintPlan::LazyTools { trigger, .. } => {
+                write!(f, "ConstraintPlan::LazyTools({trigger:?})")
+            }
+        }
+    }
+}
+
+impl ConstraintPlan {
+    /// A fresh constraint for one sequence.
+    pub fn instantiate(&self, env: &Arc<TokenEnv>) -> Box<dyn TokenConstraint> {
+        match self {
+            ConstraintPlan::Grammar(c) => Box::new(MatcherConstraint(c.matcher())),
+            ConstraintPlan::LazyTools { trigger, calls } => Box::new(LazyToolConstraint {
+                env: Arc::clone(env),
+                trigger: trigger.as_bytes().to_vec(),
+                calls: calls.clone(),
+                history: Vec::new(),
+                engaged: None,
+            }),
+        }
+    }
+}
+
+/// A grammar matcher as the engine's constraint.
+pub struct MatcherConstraint(pub GrammarMatcher);
+
+impl TokenConstraint for MatcherConstraint {
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
+        self.0.compute_mask(mask).map_err(|e| e.to_string())
+    }
+    fn consume(&mut self, token: u32) -> Result<(), String> {
+        self.0.consume(token).map_err(|e| e.to_string())
+    }
+    fn is_finished(&self) -> bool {
+        self.0.is_finished()
+    }
+    fn rollback(&mut self, n: usize) -> Result<(), String> {
+        self.0.rollback(n).map_err(|e| e.to_string())
+    }
+    fn fork(&self) -> Box<dyn TokenConstraint> {
+        Box::new(MatcherConstraint(self.0.fork()))
+    }
+    fn forced_tokens(&mut self) -> Vec<u32> {
+        self.0.forced_tokens()
+    }
+}
+
+/// Free text, then — once the trigger appears at a token boundary — the envelope grammar.
+/// A trigger that straddles a token boundary leaves the output free (the output parser
+/// then reports what it finds); with Qwen the start marker is one token, so in practice
+/// the envelope is always constrained.
+pub struct LazyToolConstraint {
+    env: Arc<TokenEnv>,
+    trigger: Vec<u8>,
+    calls: CompiledConstraint,
+    /// Tokens consumed so far.
+    history: Vec<u32>,
+    /// `(history length when engaged minus the trigger tokens, matcher)`.
+    engaged: Option<(usize, GrammarMatcher)>,
+}
+
+impl LazyToolConstraint {
+    /// If the history ends with tokens spelling exactly the trigger, how many.
+    fn trigger_tokens(&self) -> Option<usize> {
+        let mut spelled: Vec<u8> = Vec::new();
+        for (k, &tok) in self.history.iter().rev().enumerate() {
+            let bytes = self.env.grammar_bytes(tok);
+            let mut joined = bytes.to_vec();
+            joined.extend_from_slice(&spelled);
+            spelled = joined;
+            if spelled.len() > self.trigger.len() || !self.trigger.ends_with(&spelled) {
+                return None;
+            }
+            if spelled == self.trigger {
+                return Some(k + 1);
+            }
+        }
+        None
+    }
+}
+
+impl TokenConstraint for LazyToolConstraint {
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
+        match &mut self.engaged {
+            Some((_, m)) => m.compute_mask(mask).map_err(|e| e.to_string()),
+            None => {
+                let words: Vec<u64> = self.env.blocked().words().iter().map(|w| !w).collect();
+                *mask =
+                    TokenMask::from_words(self.env.n_logits(), words).map_err(|e| e.to_string())?;
+                Ok(())
+            }
+        }
+    }
+
+    fn consume(&mut self, token: u32) -> Result<(), String> {
+        self.history.push(token);
+        if let Some((_, m)) = &mut self.engaged {
+            return m.consume(token).map_err(|e| e.to_string());
+        }
+        if let Some(k) = self.trigger_tokens() {
+            let mut m = self.calls.matcher();
+            let start = self.history.len() - k;
+            let ok = self
+                .history
+                .get(start..)
+                .is_some_and(|toks| toks.iter().all(|&t| m.consume(t).is_ok()));
+            if ok {
+                self.engaged = Some((start, m));
+            }
+        }
+        Ok(())
+    }
+
+    fn is_finished(&self) -> bool {
+        self.engaged.as_ref().is_some_and(|(_, m)| m.is_finished())
+    }
+
+    fn rollback(&mut self, n: usize) -> Result<(), String> {
+        if n > self.history.len() {
+            return Err(format!(
+                "cannot roll back {n} tokens, only {} consumed",
+                self.history.len()
+            ));
+        }
+        let new_len = self.history.len() - n;
+        if let Some((start, m)) = &mut self.engaged {
+            if new_len <= *start {
+                self.engaged = None;
+            } else {
+                m.rollback(n).map_err(|e| e.to_string())?;
+            }
+        }
+        self.history.truncate(new_len);
+        Ok(())
+    }
+
+    fn fork(&self) -> Box<dyn TokenConstraint> {
+        Box::new(LazyToolConstraint {
+            env: Arc::clone(&self.env),
+            trigger: self.trigger.clone(),
+            calls: self.calls.clone(),
+            history: self.history.clone(),
+            engaged: self.engaged.as_ref().map(|(s, m)| (*s, m.fork())),
+        })
+    }
+
+    fn forced_tokens(&mut self) -> Vec<u32> {
+        match &mut self.engaged {
+            Some((_, m)) => m.forced_tokens(),
+            None => Vec::new(),
+        }
+    }
+}
+
+/// A bounded cache of compiled constraints keyed by their source text.
+pub struct GrammarCache {
+    env: Arc<TokenEnv>,
+    limits: GrammarLimits,
+    entries: Mutex<VecDeque<(String, CompiledConstraint)>>,
+    capacity: usize,
+}
+
+impl std::fmt::Debug for GrammarCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrammarCache")
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GrammarCache {
+    /// A cache of `capacity` entries for `env`.
+    pub fn new(env: Arc<TokenEnv>, capacity: usize) -> GrammarCache {
+        GrammarCache {
+            env,
+            limits: GrammarLimits::default(),
+            entries: Mutex::new(VecDeque::new()),
+            capacity: capacity.max(1),
+        }
+    }
+
+    /// The token environment.
+    pub fn env(&self) -> &Arc<TokenEnv> {
+        &self.env
+    }
+
+    /// Compiles `constraint` (or takes it from the cache). Blocking: call it off the async
+    /// runtime.
+    pub fn compile(
+        &self,
+        constraint: &Constraint,
+    ) -> Result<CompiledConstraint, grammar::GrammarError> {
+        let key = format!("{:?}", constraint);
+        if let Ok(mut entries) = self.entries.lock()
+            && let Some(pos) = entries.iter().position(|(k, _)| *k == key)
+            && let Some(entry) = entries.remove(pos)
+        {
+            let compiled = entry.1.clone();
+            entries.push_back(entry);
+            return Ok(compiled);
+        }
+        let compiled = constraint.compile(&self.env, &self.limits)?;
+        if let Ok(mut entries) = self.entries.lock() {
+            if entries.len() >= self.capacity {
+                entries.pop_front();
+            }
+            entries.push_back((key, compiled.clone()));
+        }
+        Ok(compiled)
+    }
+}

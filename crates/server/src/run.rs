@@ -1,0 +1,354 @@
+//! Running a [`Job`]: one engine request per choice, their blocking event streams bridged
+//! into one async stream of [`RunEvent`]s (text split into content and tool calls, token
+//! log-probabilities, the finish). Dropping the [`Run`] drops the bridges' receivers; each
+//! bridge then drops its engine handle, which cancels the sequence.
+
+use std::sync::Arc;
+
+use engine::{Event, FinishReason, Usage};
+use tokio::sync::mpsc;
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::request::Job;
+use crate::runtime::ServedModel;
+use crate::tools::{OutputEvent, OutputParser};
+
+/// One generated token's log-probability data.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The token's text (lossy UTF-8 of its bytes).
+    pub token: String,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The best alternatives: `(text, bytes, logprob)`.
+    pub top: Vec<(String, Vec<u8>, f32)>,
+}
+
+/// What a run reports, per choice.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunEvent {
+    /// Content text.
+    Content {
+        /// Choice index.
+        choice: usize,
+        /// The text.
+        text: String,
+    },
+    /// Log-probabilities of newly generated tokens (reported before the text they made).
+    Logprobs {
+        /// Choice index.
+        choice: usize,
+        /// Per token.
+        tokens: Vec<TokenLogprob>,
+    },
+    /// A tool call began.
+    CallStart {
+        /// Choice index.
+        choice: usize,
+        /// Call index within the choice.
+        index: usize,
+        /// Tool name.
+        name: String,
+        /// A custom tool (raw input) rather than a function.
+        custom: bool,
+    },
+    /// More of a call's arguments / input.
+    CallDelta {
+        /// Choice index.
+        choice: usize,
+        /// Call index.
+        index: usize,
+        /// The text.
+        text: String,
+    },
+    /// A call is complete.
+    CallEnd {
+        /// Choice index.
+        choice: usize,
+        /// Call index.
+        index: usize,
+    },
+    /// The choice ended.
+    Done {
+        /// Choice index.
+        choice: usize,
+        /// OpenAI finish reason (`tool_calls` when the reply holds calls).
+        finish_reason: &'static str,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The choice failed.
+    Failed {
+        /// Choice index.
+        choice: usize,
+        /// Why.
+        message: String,
+    },
+}
+
+struct Bridged {
+    choice: usize,
+    event: Event,
+}
+
+/// A running job.
+pub struct Run {
+    rx: mpsc::Receiver<Bridged>,
+    parsers: Vec<OutputParser>,
+    pending: std::collections::VecDeque<RunEvent>,
+    open: usize,
+    want_logprobs: bool,
+    model: Arc<ServedModel>,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Run").field("open", &self.open).finish()
+    }
+}
+
+impl Run {
+    /// Submits every choice of `job`. A refused submission cancels the choices already
+    /// submitted. Must be called inside the tokio runtime.
+    pub fn start(
+        model: Arc<ServedModel>,
+        metrics: Arc<Metrics>,
+        job: &Job,
+    ) -> Result<Run, ApiError> {
+        let requests = job.requests(&model);
+        let mut handles = Vec::with_capacity(requests.len());
+        for req in requests {
+            handles.push(model.engine.submit(req)?);
+        }
+        let (tx, rx) = mpsc::channel(1024);
+        for (choice, handle) in handles.into_iter().enumerate() {
+            let tx = tx.clone();
+            tokio::task::spawn_blocking(move || {
+                for event in &handle {
+                    if tx.blocking_send(Bridged { choice, event }).is_err() {
+                        // The client went away: dropping the handle cancels the sequence.
+                        break;
+                    }
+                }
+                drop(handle);
+            });
+        }
+        let parsers = (0..job.n)
+            .map(|_| match &job.tools {
+                Some(setup) if setup.active() => {
+                    OutputParser::tools(model.tool_format.as_ref(), setup)
+                }
+                _ => OutputParser::plain(),
+            })
+            .collect();
+        Ok(Run {
+            rx,
+            parsers,
+            pending: Default::default(),
+            open: job.n,
+            want_logprobs: job.logprobs.is_some(),
+            model,
+            metrics,
+        })
+    }
+
+    /// The next event; `None` once every choice has ended.
+    pub async fn next(&mut self) -> Option<RunEvent> {
+        loop {
+            if let Some(e) = self.pending.pop_front() {
+                return Some(e);
+            }
+            if self.open == 0 {
+                return None;
+            }
+            match self.rx.recv().await {
+                Some(b) => self.absorb(b),
+                None => {
+                    // Every bridge ended without a final event (engine gone).
+                    self.open = 0;
+                    self.pending.push_back(RunEvent::Failed {
+                        choice: 0,
+                        message: "the engine stopped".into(),
+                    });
+                }
+            }
+        }
+    }
+
+    fn absorb(&mut self, b: Bridged) {
+        let choice = b.choice;
+        let Some(parser) = self.parsers.get_mut(choice) else {
+            return;
+        };
+        match b.event {
+            Event::Token {
+                token,
+                text,
+                logprob,
+                top_logprobs,
+                ..
+            } => {
+                if self.want_logprobs {
+                    let tok = &self.model.tokenizer;
+                    let piece = |id: u32| {
+                        let bytes = tok.token_bytes(id).unwrap_or(&[]).to_vec();
+                        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+                    };
+                    let (t, bytes) = piece(token);
+                    let top = top_logprobs
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(id, lp)| {
+                            let (t, b) = piece(id);
+                            (t, b, lp)
+                        })
+                        .collect();
+                    self.pending.push_back(RunEvent::Logprobs {
+                        choice,
+                        tokens: vec![TokenLogprob {
+                            token: t,
+                            bytes,
+                            logprob,
+                            top,
+                        }],
+                    });
+                }
+                let events = parser.feed(&text);
+                push_output(&mut self.pending, choice, events);
+            }
+            Event::Finished {
+                reason,
+                text,
+                usage,
+                timings,
+            } => {
+                let mut events = parser.feed(&text);
+                events.extend(parser.finish());
+                push_output(&mut self.pending, choice, events);
+                // A reply cut off by a limit reports the limit, even inside a call.
+                let finish_reason = match reason {
+                    FinishReason::Stop(_) | FinishReason::ToolCalls if parser.calls() > 0 => {
+                        "tool_calls"
+                    }
+                    other => finish_str(other),
+                };
+                self.metrics.observe_finished(&usage, &timings);
+                self.open = self.open.saturating_sub(1);
+                self.pending.push_back(RunEvent::Done {
+                    choice,
+                    finish_reason,
+                    usage,
+                });
+            }
+            Event::Error(message) => {
+                self.open = self.open.saturating_sub(1);
+                self.metrics.observe_failed();
+                self.pending.push_back(RunEvent::Failed { choice, message });
+            }
+        }
+    }
+}
+
+fn finish_str(reason: FinishReason) -> &'static str {
+    reason.as_openai_str()
+}
+
+fn push_output(
+    pending: &mut std::collections::VecDeque<RunEvent>,
+    choice: usize,
+    events: Vec<OutputEvent>,
+) {
+    for e in events {
+        pending.push_back(match e {
+            OutputEvent::Content(text) => RunEvent::Content { choice, text },
+            OutputEvent::CallStart {
+                index,
+                name,
+                custom,
+            } => RunEvent::CallStart {
+                choice,
+                index,
+                name,
+                custom,
+            },
+            OutputEvent::CallDelta { index, text } => RunEvent::CallDelta {
+                choice,
+                index,
+                text,
+            },
+            OutputEvent::CallEnd { index } => RunEvent::CallEnd { choice, index },
+        });
+    }
+}
+
+/// A whole choice, gathered from a run (for non-streaming responses).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChoiceResult {
+    /// Content text.
+    pub content: String,
+    /// Tool calls: `(name, arguments or input, custom)`.
+    pub calls: Vec<(String, String, bool)>,
+    /// Token log-probabilities (when asked).
+    pub logprobs: Vec<TokenLogprob>,
+    /// Finish reason.
+    pub finish_reason: &'static str,
+    /// Token counts.
+    pub usage: Usage,
+}
+
+/// Runs to the end and gathers every choice. The first failed choice fails the whole run.
+pub async fn collect(mut run: Run, n: usize) -> Result<Vec<ChoiceResult>, ApiError> {
+    let mut out = vec![ChoiceResult::default(); n];
+    while let Some(e) = run.next().await {
+        match e {
+            RunEvent::Content { choice, text } => {
+                if let Some(c) = out.get_mut(choice) {
+                    c.content.push_str(&text);
+                }
+            }
+            RunEvent::Logprobs { choice, tokens } => {
+                if let Some(c) = out.get_mut(choice) {
+                    c.logprobs.extend(tokens);
+                }
+            }
+            RunEvent::CallStart {
+                choice,
+                name,
+                custom,
+                ..
+            } => {
+                if let Some(c) = out.get_mut(choice) {
+                    c.calls.push((name, String::new(), custom));
+                }
+            }
+            RunEvent::CallDelta {
+                choice,
+                index,
+                text,
+            } => {
+                if let Some(call) = out.get_mut(choice).and_then(|c| c.calls.get_mut(index)) {
+                    call.1.push_str(&text);
+                }
+            }
+            RunEvent::CallEnd { .. } => {}
+            RunEvent::Done {
+                choice,
+                finish_reason,
+                usage,
+            } => {
+                if let Some(c) = out.get_mut(choice) {
+                    c.finish_reason = finish_reason;
+                    c.usage = usage;
+                }
+            }
+            RunEvent::Failed { message, .. } => {
+                return Err(ApiError::Internal(format!("generation failed: {message}")));
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,291 @@
+//! The served model: the engine with its tokenizer, chat template, tool-call format and
+//! grammar token environment, plus the names clients may use for it.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use chat::{ChatTemplate, ToolCallFormat};
+use engine::{Engine, EngineConfig, ModelBackend};
+use grammar::TokenEnv;
+use sha2::{Digest, Sha256};
+use text::Tokenizer;
+
+use crate::prompt::ChatPrompter;
+
+/// Context length used when none is given (capped at the trained context).
+pub const DEFAULT_CTX: usize = 4096;
+
+/// How to load and run the served model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelOptions {
+    /// The name the model is served under (`smollm2-135m`, or a file stem).
+    pub name: String,
+    /// Other names accepted in the `model` field.
+    pub aliases: Vec<String>,
+    /// Threads for the forward pass (`None` = one per core).
+    pub threads: Option<usize>,
+    /// Context length (`None` = [`DEFAULT_CTX`] capped at the trained context).
+    pub ctx_size: Option<usize>,
+    /// Sequences running at once.
+    pub max_seqs: usize,
+    /// Requests waiting for admission before new ones get HTTP 429.
+    pub queue_capacity: usize,
+    /// KV pool size in tokens (`None` = enough for the context twice, at least 16,384).
+    pub kv_tokens: Option<usize>,
+    /// Element type of the KV cache.
+    pub kv_type: model::KvType,
+}
+
+impl ModelOptions {
+    /// Options for serving `name` with the defaults: 8 sequences, a queue of 64.
+    pub fn new(name: impl Into<String>) -> ModelOptions {
+        ModelOptions {
+            name: name.into(),
+            aliases: Vec::new(),
+            threads: None,
+            ctx_size: None,
+            max_seqs: 8,
+            queue_capacity: 64,
+            kv_tokens: None,
+            kv_type: model::KvType::default(),
+        }
+    }
+}
+
+/// Why the model could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The GGUF file could not be opened or read.
+    #[error("opening {path}: {source}")]
+    Gguf {
+        /// The file.
+        path: String,
+        /// The reader's error.
+        source: gguf::GgufError,
+    },
+    /// The tokenizer metadata is unusable.
+    #[error("reading the tokenizer: {0}")]
+    Tokenizer(#[from] text::TextError),
+    /// The model could not be loaded.
+    #[error("loading the model: {0}")]
+    Model(#[from] model::ModelError),
+    /// The engine did not start.
+    #[error("starting the engine: {0}")]
+    Engine(#[from] engine::EngineError),
+    /// The chat template does not compile.
+    #[error("compiling the chat template: {0}")]
+    Template(#[from] chat::ChatError),
+    /// The grammar token environment could not be built.
+    #[error("building the grammar token environment: {0}")]
+    Grammar(#[from] grammar::GrammarError),
+    /// An option is out of range.
+    #[error("{0}")]
+    Options(String),
+}
+
+/// The model this server serves and everything derived from it.
+pub struct ServedModel {
+    pub(crate) engine: Engine,
+    pub(crate) tokenizer: Arc<Tokenizer>,
+    pub(crate) prompter: Option<ChatPrompter>,
+    pub(crate) tool_format: Box<dyn ToolCallFormat>,
+    /// Whether the template itself renders `tools` (otherwise they go into a system note).
+    pub(crate) template_has_tools: bool,
+    pub(crate) token_env: Arc<TokenEnv>,
+    name: String,
+    aliases: Vec<String>,
+    fingerprint: String,
+    created: u64,
+}
+
+impl std::fmt::Debug for ServedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServedModel")
+            .field("name", &self.name)
+            .field("aliases", &self.aliases)
+            .field("fingerprint", &self.fingerprint)
+            .field("context_len", &self.engine.context_len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ServedModel {
+    /// Loads the GGUF at `path` and starts the engine.
+    pub fn load(path: &Path, opts: &ModelOptions) -> Result<ServedModel, LoadError> {
+        if opts.max_seqs == 0 || opts.queue_capacity == 0 {
+            return Err(LoadError::Options(
+                "--max-seqs and the queue capacity must be at least 1".into(),
+            ));
+        }
+        let file = gguf::GgufFile::open(path).map_err(|source| LoadError::Gguf {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let file = Arc::new(file);
+        let tokenizer = Arc::new(Tokenizer::from_gguf(&file)?);
+        let trained = trained_context(&file);
+        let n_ctx = match (opts.ctx_size, trained) {
+            (Some(0), _) => return Err(LoadError::Options("--ctx-size must be at least 1".into())),
+            (Some(n), Some(t)) if n > t => {
+                return Err(LoadError::Options(format!(
+                    "--ctx-size {n} exceeds the model's trained context of {t} tokens"
+                )));
+            }
+            (Some(n), _) => n,
+            (None, Some(t)) => t.min(DEFAULT_CTX),
+            (None, None) => DEFAULT_CTX,
+        };
+        let template = chat_template(&file, &tokenizer)?;
+        let model = model::Model::load(
+            Arc::clone(&file),
+            &model::LoadOptions {
+                threads: opts.threads,
+                kv_type: opts.kv_type,
+                n_ctx: Some(n_ctx),
+            },
+        )?;
+        let kv_tokens = opts.kv_tokens.unwrap_or_else(|| (2 * n_ctx).max(16_384));
+        let cfg = EngineConfig {
+            max_seqs: opts.max_seqs,
+            kv_tokens,
+            queue_capacity: opts.queue_capacity,
+            context_len: n_ctx,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::start(
+            Box::new(ModelBackend::new(Arc::new(model))),
+            Arc::clone(&tokenizer),
+            cfg,
+        )?;
+        let token_env = TokenEnv::with_logit_width(Arc::clone(&tokenizer), engine.n_vocab())?;
+        let (tool_format, template_has_tools) = match &template {
+            Some(t) => match chat::detect_format(t.source()) {
+                Some(f) => (f, t.source().contains("tools")),
+                None => (fallback_format(), false),
+            },
+            None => (fallback_format(), false),
+        };
+        let prompter = template.map(|t| ChatPrompter::new(t, &tokenizer));
+        let size = std::fs::metadata(path).map_or(0, |m| m.len());
+        let fingerprint = format!(
+            "lockstep-{}-{}",
+            quant::kernels().name(),
+            model_hash(&opts.name, path, size)
+        );
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let mut aliases = opts.aliases.clone();
+        if let Some(stem) = path.file_stem().map(|s| s.to_string_lossy().into_owned())
+            && stem != opts.name
+            && !aliases.contains(&stem)
+        {
+            aliases.push(stem);
+        }
+        Ok(ServedModel {
+            engine,
+            tokenizer,
+            prompter,
+            tool_format,
+            template_has_tools,
+            token_env,
+            name: opts.name.clone(),
+            aliases,
+            fingerprint,
+            created,
+        })
+    }
+
+    /// The served name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether a client's `model` value names this model (the name or an alias).
+    pub fn answers_to(&self, requested: &str) -> bool {
+        requested == self.name || self.aliases.iter().any(|a| a == requested)
+    }
+
+    /// `system_fingerprint`: the kernel set and a short model hash.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// When the server loaded the model (Unix seconds), the `created` of `/v1/models`.
+    pub fn created(&self) -> u64 {
+        self.created
+    }
+
+    /// The context length in effect.
+    pub fn context_len(&self) -> usize {
+        self.engine.context_len()
+    }
+
+    /// The engine (metrics, submission).
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    /// The grammar token environment (logit width of the engine).
+    pub fn token_env(&self) -> &Arc<TokenEnv> {
+        &self.token_env
+    }
+}
+
+fn fallback_format() -> Box<dyn ToolCallFormat> {
+    Box::new(chat::HermesFormat)
+}
+
+/// First 16 hex digits of the model's sha256 from the hub table when the file is the known
+/// model (same size), else of its size and path.
+fn model_hash(name: &str, path: &Path, size: u64) -> String {
+    if let Ok(spec) = hub::model_spec(name)
+        && spec.size == size
+        && let Some(h) = spec.sha256.get(..16)
+    {
+        return h.to_string();
+    }
+    let mut hasher = Sha256::new();
+    hasher.update(size.to_le_bytes());
+    hasher.update(path.to_string_lossy().as_bytes());
+    hasher
+        .finalize()
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn trained_context(file: &gguf::GgufFile) -> Option<usize> {
+    let arch = file.architecture().ok()?;
+    let key = format!("{arch}.context_length");
+    let n = file
+        .get_u64(&key)
+        .ok()
+        .or_else(|| file.get_u32(&key).ok().map(u64::from))?;
+    usize::try_from(n).ok()
+}
+
+fn chat_template(
+    file: &gguf::GgufFile,
+    tokenizer: &Tokenizer,
+) -> Result<Option<ChatTemplate>, LoadError> {
+    let Some(source) = file.get("tokenizer.chat_template").and_then(|v| v.as_str()) else {
+        return Ok(None);
+    };
+    let text_of = |id: Option<u32>| {
+        id.and_then(|id| tokenizer.token_text(id))
+            .unwrap_or("")
+            .to_string()
+    };
+    Ok(Some(ChatTemplate::new(
+        source,
+        &text_of(tokenizer.bos_id()),
+        &text_of(tokenizer.eos_id()),
+    )?))
+}

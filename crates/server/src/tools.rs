@@ -1,0 +1,631 @@
+//! Tools: the request-side model (function tools with a JSON Schema, custom tools with a
+//! free-text, Lark or regex input), the grammars that force the model's envelope, and the
+//! output parser that turns generated text back into content and tool calls.
+//!
+//! Envelopes (the model family's format from [`chat::ToolCallFormat`], Qwen/Hermes here):
+//! - a function call is exactly what [`chat::ToolCallFormat::render_call`] renders, with the
+//!   arguments constrained by the tool's schema (`%json` inside a Lark grammar);
+//! - a custom tool call is the start marker, a header line `{"name": "NAME", "type":
+//!   "custom"}`, the raw input (constrained by the tool's grammar), a newline and the end
+//!   marker. It is lockstep's own convention: the raw input stays unescaped, so a Lark or
+//!   regex grammar applies to it directly.
+
+use chat::{ToolCallFormat, ToolStreamEvent, ToolStreamParser};
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+
+/// A tool the client offers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSpec {
+    /// The tool's name.
+    pub name: String,
+    /// What it does.
+    pub description: Option<String>,
+    /// Function or custom.
+    pub kind: ToolKind,
+}
+
+/// What kind of input a tool takes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolKind {
+    /// JSON arguments valid against `parameters` (a JSON Schema).
+    Function {
+        /// The arguments' schema.
+        parameters: Value,
+    },
+    /// Raw text input.
+    Custom {
+        /// The language of the input.
+        format: CustomFormat,
+    },
+}
+
+/// The input language of a custom tool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CustomFormat {
+    /// Any text.
+    Text,
+    /// A Lark grammar (llguidance dialect).
+    Lark(String),
+    /// A regular expression the whole input matches.
+    Regex(String),
+}
+
+/// `tool_choice`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolMode {
+    /// No tools: they are not even shown to the model.
+    None,
+    /// The model decides; a call, once opened, is constrained.
+    Auto,
+    /// At least one call of any tool.
+    Required,
+    /// A call of this tool.
+    Named(String),
+}
+
+/// The tools of a request and how they may be used.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSetup {
+    /// The offered tools.
+    pub tools: Vec<ToolSpec>,
+    /// `tool_choice`.
+    pub mode: ToolMode,
+    /// Several calls in one reply allowed.
+    pub parallel: bool,
+}
+
+impl ToolSetup {
+    /// Whether tools take part in this request at all.
+    pub fn active(&self) -> bool {
+        !self.tools.is_empty() && self.mode != ToolMode::None
+    }
+
+    /// Checks names and the named choice.
+    pub fn validate(&self, param: &str) -> Result<(), ApiError> {
+        for (i, t) in self.tools.iter().enumerate() {
+            if t.name.is_empty()
+                || t.name.len() > 128
+                || !t
+                    .name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
+            {
+                return Err(ApiError::invalid(
+                    format!("{param}[{i}].name"),
+                    format!(
+                        "invalid tool name {:?}: use 1-128 letters, digits, '_', '-' or '.'",
+                        t.name
+                    ),
+                ));
+            }
+            if self.tools.iter().take(i).any(|o| o.name == t.name) {
+                return Err(ApiError::invalid(
+                    format!("{param}[{i}].name"),
+                    format!("duplicate tool name {:?}", t.name),
+                ));
+            }
+        }
+        if let ToolMode::Named(name) = &self.mode
+            && !self.tools.iter().any(|t| &t.name == name)
+        {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!("tool_choice names the tool {name:?}, which is not in `tools`"),
+            ));
+        }
+        if matches!(self.mode, ToolMode::Required | ToolMode::Named(_)) && self.tools.is_empty() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "tool_choice requires a tool call, but no tools were given",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The tools as the chat template's `tools` variable (OpenAI function shape; custom
+    /// tools are described as functions whose input is raw text).
+    pub fn template_tools(&self) -> Vec<Value> {
+        self.tools
+            .iter()
+            .map(|t| match &t.kind {
+                ToolKind::Function { parameters } => json!({
+                    "type": "function",
+                    "function": {
+                        "name": t.name,
+                        "description": t.description.clone().unwrap_or_default(),
+                        "parameters": parameters,
+                    }
+                }),
+                ToolKind::Custom { format } => {
+                    let mut desc = t.description.clone().unwrap_or_default();
+                    desc.push_str(
+                        "\n(Custom tool: its input is raw text, not JSON. Call it as \
+                         <tool_call>\n{\"name\": \"",
+                    );
+                    desc.push_str(&t.name);
+                    desc.push_str("\", \"type\": \"custom\"}\nINPUT\n</tool_call>");
+                    match format {
+                        CustomFormat::Text => desc.push(')'),
+                        CustomFormat::Lark(g) => {
+                            desc.push_str(" where INPUT follows this Lark grammar:\n");
+                            desc.push_str(g);
+                            desc.push(')');
+                        }
+                        CustomFormat::Regex(r) => {
+                            desc.push_str(" where INPUT matches the regex ");
+                            desc.push_str(r);
+                            desc.push(')');
+                        }
+                    }
+                    json!({
+                        "type": "function",
+                        "function": {
+                            "name": t.name,
+                            "description": desc,
+                            "parameters": {"type": "object", "properties": {}},
+                        }
+                    })
+                }
+            })
+            .collect()
+    }
+
+    /// A system-prompt note describing the tools, for templates that do not render tools.
+    pub fn system_note(&self, format: &dyn ToolCallFormat) -> String {
+        let tools: Vec<String> = self
+            .template_tools()
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        format!(
+            "You may call tools. Available tools:\n{}\nTo call a tool, reply with {}",
+            tools.join("\n"),
+            format.render_call("NAME", "{ARGUMENTS}")
+        )
+    }
+
+    /// The tools the grammar may call (all, or the named one).
+    fn callable(&self) -> Vec<&ToolSpec> {
+        match &self.mode {
+            ToolMode::Named(name) => self.tools.iter().filter(|t| &t.name == name).collect(),
+            _ => self.tools.iter().collect(),
+        }
+    }
+
+    /// Lark rules defining `calls` (one call, or several separated by a newline when
+    /// parallel) for the callable tools.
+    pub fn calls_lark(&self, format: &dyn ToolCallFormat) -> Result<String, ApiError> {
+        let mut out = String::new();
+        let tools = self.callable();
+        let names: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
+        if self.parallel {
+            out.push_str("calls: call (\"\\n\" call)*\n");
+        } else {
+            out.push_str("calls: call\n");
+        }
+        out.push_str(&format!("call: {}\n", names.join(" | ")));
+        for (i, t) in tools.iter().enumerate() {
+            match &t.kind {
+                ToolKind::Function { parameters } => {
+                    let envelope = format.render_call(&t.name, ARGS_SLOT);
+                    let (prefix, suffix) = envelope.split_once(ARGS_SLOT).ok_or_else(|| {
+                        ApiError::Internal("tool-call envelope has no argument slot".into())
+                    })?;
+                    out.push_str(&format!(
+                        "call_{i}: {} args_{i} {}\n",
+                        lark_string(prefix),
+                        lark_string(suffix)
+                    ));
+                    out.push_str(&format!(
+                        "args_{i}: %json {}\n",
+                        schema_with_options(parameters)
+                    ));
+                }
+                ToolKind::Custom { format: input } => {
+                    let header = custom_header(format, &t.name);
+                    let end = format!("\n{}", format.end_marker());
+                    match input {
+                        CustomFormat::Text => {
+                            out.push_str(&format!(
+                                "call_{i}: {} input_{i}\n",
+                                lark_string(&header)
+                            ));
+                            out.push_str(&format!(
+                                "input_{i}[lazy]: /(?s:.*){}/\n",
+                                lark_regex_escape(&regex_syntax_escape(&end))
+                            ));
+                        }
+                        CustomFormat::Lark(g) => {
+                            out.push_str(&format!(
+                                "call_{i}: {} input_{i} {}\n",
+                                lark_string(&header),
+                                lark_string(&end)
+                            ));
+                            out.push_str(&format!("input_{i}: %lark {{\n{g}\n}}\n"));
+                        }
+                        CustomFormat::Regex(rx) => {
+                            out.push_str(&format!(
+                                "call_{i}: {} input_{i} {}\n",
+                                lark_string(&header),
+                                lark_string(&end)
+                            ));
+                            out.push_str(&format!("input_{i}: /{}/\n", lark_regex_escape(rx)));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+const ARGS_SLOT: &str = "\u{FFFFF}ARGS\u{FFFFF}";
+
+/// The first line of a custom tool call: start marker, newline, `{"name": …, "type":
+/// "custom"}`, newline.
+pub fn custom_header(format: &dyn ToolCallFormat, name: &str) -> String {
+    format!(
+        "{}\n{{\"name\": {}, \"type\": \"custom\"}}\n",
+        format.start_marker(),
+        Value::String(name.to_string())
+    )
+}
+
+/// A Lark string literal for `s` (JSON escaping is what llguidance's Lark reads).
+pub fn lark_string(s: &str) -> String {
+    Value::String(s.to_string()).to_string()
+}
+
+/// `rx` with unescaped `/` and raw newlines escaped for a Lark `/…/` literal.
+pub fn lark_regex_escape(rx: &str) -> String {
+    let mut out = String::with_capacity(rx.len() + 8);
+    let mut escaped = false;
+    for c in rx.chars() {
+        match (escaped, c) {
+            (true, _) => {
+                out.push(c);
+                escaped = false;
+            }
+            (false, '\\') => {
+                out.push(c);
+                escaped = true;
+            }
+            (false, '/') => out.push_str("\\/"),
+            (false, '\n') => out.push_str("\\n"),
+            (false, '\r') => out.push_str("\\r"),
+            (false, _) => out.push(c),
+        }
+    }
+    out
+}
+
+/// Escapes regex metacharacters of a literal (and writes a newline as `\n`).
+fn regex_syntax_escape(s: &str) -> String {
+    let mut out = String::new();
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$#&-~/".contains(c) {
+            out.push('\\');
+            out.push(c);
+        } else if c == '\n' {
+            out.push_str("\\n");
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The schema with llguidance options for the arguments' layout: `", "` and `": "`
+/// separators and no other whitespace, the layout Qwen/Hermes models write.
+fn schema_with_options(schema: &Value) -> String {
+    let mut schema = match schema {
+        Value::Object(m) if !m.is_empty() => Value::Object(m.clone()),
+        _ => json!({"type": "object"}),
+    };
+    if let Value::Object(m) = &mut schema {
+        m.insert(
+            "x-guidance".into(),
+            json!({
+                "item_separator": ", ",
+                "key_separator": ": ",
+                "whitespace_flexible": false,
+                "coerce_one_of": false,
+                "lenient": false
+            }),
+        );
+    }
+    schema.to_string()
+}
+
+/// What the output parser reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutputEvent {
+    /// Assistant text.
+    Content(String),
+    /// A call began.
+    CallStart {
+        /// Index of the call in this reply.
+        index: usize,
+        /// Tool name.
+        name: String,
+        /// A custom (raw input) call rather than a function call.
+        custom: bool,
+    },
+    /// More arguments (function: JSON text) or input (custom: raw text).
+    CallDelta {
+        /// Index of the call.
+        index: usize,
+        /// The text.
+        text: String,
+    },
+    /// A call is complete.
+    CallEnd {
+        /// Index of the call.
+        index: usize,
+    },
+}
+
+/// Splits generated text into content and tool calls as it streams.
+pub struct OutputParser {
+    inner: Option<Box<dyn ToolStreamParser>>,
+    start_marker: String,
+    end_marker: String,
+    /// Parser index → our index (custom calls are recovered from invalid envelopes).
+    index_map: Vec<(usize, usize)>,
+    next_index: usize,
+    custom_names: Vec<String>,
+}
+
+impl std::fmt::Debug for OutputParser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutputParser")
+            .field("tools", &self.inner.is_some())
+            .field("calls", &self.next_index)
+            .finish()
+    }
+}
+
+impl OutputParser {
+    /// Plain text: everything is content.
+    pub fn plain() -> OutputParser {
+        OutputParser {
+            inner: None,
+            start_marker: String::new(),
+            end_marker: String::new(),
+            index_map: Vec::new(),
+            next_index: 0,
+            custom_names: Vec::new(),
+        }
+    }
+
+    /// Tool-call parsing in `format`; `setup` names the custom tools.
+    pub fn tools(format: &dyn ToolCallFormat, setup: &ToolSetup) -> OutputParser {
+        OutputParser {
+            inner: Some(format.stream_parser()),
+            start_marker: format.start_marker().to_string(),
+            end_marker: format.end_marker().to_string(),
+            index_map: Vec::new(),
+            next_index: 0,
+            custom_names: setup
+                .tools
+                .iter()
+                .filter(|t| matches!(t.kind, ToolKind::Custom { .. }))
+                .map(|t| t.name.clone())
+                .collect(),
+        }
+    }
+
+    /// Calls reported so far.
+    pub fn calls(&self) -> usize {
+        self.next_index
+    }
+
+    /// Feeds a delta of generated text.
+    pub fn feed(&mut self, text: &str) -> Vec<OutputEvent> {
+        match self.inner.as_mut() {
+            None => {
+                if text.is_empty() {
+                    Vec::new()
+                } else {
+                    vec![OutputEvent::Content(text.to_string())]
+                }
+            }
+            Some(p) => {
+                let events = p.feed(text);
+                self.translate(events)
+            }
+        }
+    }
+
+    /// Ends the text.
+    pub fn finish(&mut self) -> Vec<OutputEvent> {
+        match self.inner.as_mut() {
+            None => Vec::new(),
+            Some(p) => {
+                let events = p.finish();
+                self.translate(events)
+            }
+        }
+    }
+
+    fn map_index(&mut self, parser_index: usize) -> usize {
+        if let Some(&(_, ours)) = self.index_map.iter().find(|(p, _)| *p == parser_index) {
+            return ours;
+        }
+        let ours = self.next_index;
+        self.next_index += 1;
+        self.index_map.push((parser_index, ours));
+        ours
+    }
+
+    fn translate(&mut self, events: Vec<ToolStreamEvent>) -> Vec<OutputEvent> {
+        let mut out = Vec::new();
+        for e in events {
+            match e {
+                ToolStreamEvent::ContentDelta(t) => {
+                    if !t.is_empty() {
+                        out.push(OutputEvent::Content(t));
+                    }
+                }
+                ToolStreamEvent::ToolCallStart { index, name } => {
+                    let index = self.map_index(index);
+                    out.push(OutputEvent::CallStart {
+                        index,
+                        name,
+                        custom: false,
+                    });
+                }
+                ToolStreamEvent::ArgumentsDelta { index, text } => {
+                    let index = self.map_index(index);
+                    out.push(OutputEvent::CallDelta { index, text });
+                }
+                ToolStreamEvent::ToolCallEnd { index, .. } => {
+                    let index = self.map_index(index);
+                    out.push(OutputEvent::CallEnd { index });
+                }
+                ToolStreamEvent::Invalid {
+                    index: None, raw, ..
+                } => match self.parse_custom(&raw) {
+                    Some((name, input)) => {
+                        let index = self.next_index;
+                        self.next_index += 1;
+                        out.push(OutputEvent::CallStart {
+                            index,
+                            name,
+                            custom: true,
+                        });
+                        out.push(OutputEvent::CallDelta { index, text: input });
+                        out.push(OutputEvent::CallEnd { index });
+                    }
+                    None => out.push(OutputEvent::Content(raw)),
+                },
+                // A started call whose arguments turned out invalid: its end follows.
+                ToolStreamEvent::Invalid { index: Some(_), .. } => {}
+            }
+        }
+        out
+    }
+
+    /// A custom-call envelope: `(name, input)`.
+    fn parse_custom(&self, raw: &str) -> Option<(String, String)> {
+        let body = raw.strip_prefix(self.start_marker.as_str())?;
+        let body = body.strip_prefix('\n').unwrap_or(body);
+        let (header, rest) = body.split_once('\n')?;
+        let header: Value = serde_json::from_str(header).ok()?;
+        let name = header.get("name")?.as_str()?.to_string();
+        if header.get("type").and_then(Value::as_str) != Some("custom")
+            || !self.custom_names.contains(&name)
+        {
+            return None;
+        }
+        let input = rest.strip_suffix(self.end_marker.as_str()).unwrap_or(rest);
+        let input = input.strip_suffix('\n').unwrap_or(input);
+        Some((name, input.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup(mode: ToolMode, parallel: bool) -> ToolSetup {
+        ToolSetup {
+            tools: vec![
+                ToolSpec {
+                    name: "get_weather".into(),
+                    description: Some("Weather".into()),
+                    kind: ToolKind::Function {
+                        parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+                    },
+                },
+                ToolSpec {
+                    name: "shell".into(),
+                    description: None,
+                    kind: ToolKind::Custom {
+                        format: CustomFormat::Lark("start: \"ls \" /[a-z]+/".into()),
+                    },
+                },
+            ],
+            mode,
+            parallel,
+        }
+    }
+
+    #[test]
+    fn the_calls_grammar_names_every_callable_tool_in_the_envelope() {
+        let lark = setup(ToolMode::Required, true)
+            .calls_lark(&chat::HermesFormat)
+            .unwrap();
+        insta::assert_snapshot!(lark);
+        let named = setup(ToolMode::Named("shell".into()), false)
+            .calls_lark(&chat::HermesFormat)
+            .unwrap();
+        assert!(!named.contains("get_weather"), "{named}");
+        assert!(named.starts_with("calls: call\n"), "{named}");
+    }
+
+    #[test]
+    fn custom_calls_are_recovered_from_their_envelope() {
+        let s = setup(ToolMode::Auto, true);
+        let mut p = OutputParser::tools(&chat::HermesFormat, &s);
+        let text = "Sure.\n<tool_call>\n{\"name\": \"shell\", \"type\": \"custom\"}\nls abc\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let mut events = Vec::new();
+        for piece in text.as_bytes().chunks(5) {
+            events.extend(p.feed(std::str::from_utf8(piece).unwrap()));
+        }
+        events.extend(p.finish());
+        let content: String = events
+            .iter()
+            .filter_map(|e| match e {
+                OutputEvent::Content(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(content, "Sure.");
+        let starts: Vec<_> = events
+            .iter()
+            .filter_map(|e| match e {
+                OutputEvent::CallStart {
+                    index,
+                    name,
+                    custom,
+                } => Some((*index, name.clone(), *custom)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            starts,
+            vec![
+                (0, "shell".to_string(), true),
+                (1, "get_weather".to_string(), false)
+            ]
+        );
+        let input: String = events
+            .iter()
+            .filter_map(|e| match e {
+                OutputEvent::CallDelta { index: 0, text } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(input, "ls abc");
+        let args: String = events
+            .iter()
+            .filter_map(|e| match e {
+                OutputEvent::CallDelta { index: 1, text } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            serde_json::from_str::<Value>(&args).unwrap(),
+            json!({"city": "Paris"})
+        );
+    }
+
+    #[test]
+    fn lark_regex_escape_escapes_only_bare_slashes() {
+        assert_eq!(lark_regex_escape(r"a/b\/c"), r"a\/b\/c");
+        assert_eq!(lark_regex_escape("x\ny"), r"x\ny");
+    }
+}

@@ -1,0 +1,302 @@
+//! The drafter interface: what a drafter sees ([`DraftContext`]), the grammar mirror it
+//! masks with ([`Mirror`] over a [`DraftMirror`]), and what it returns ([`DraftProposal`]).
+
+use sampling::{SamplingParams, TokenMask};
+
+/// Which drafter produced a token (counters and the cost model are kept per kind).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DrafterKind {
+    /// Grammar fast-forward: tokens the constraint forces.
+    FastForward,
+    /// n-gram / prompt lookup over prompt + output.
+    Ngram,
+    /// A smaller model with the same tokenizer.
+    DraftModel,
+    /// Test drafter replaying a known output.
+    Oracle,
+    /// Test drafter that is always wrong.
+    Adversary,
+}
+
+impl DrafterKind {
+    /// Every kind, in a fixed order (index = [`DrafterKind::index`]).
+    pub const ALL: [DrafterKind; 5] = [
+        DrafterKind::FastForward,
+        DrafterKind::Ngram,
+        DrafterKind::DraftModel,
+        DrafterKind::Oracle,
+        DrafterKind::Adversary,
+    ];
+
+    /// A stable index into per-kind tables.
+    pub fn index(self) -> usize {
+        match self {
+            DrafterKind::FastForward => 0,
+            DrafterKind::Ngram => 1,
+            DrafterKind::DraftModel => 2,
+            DrafterKind::Oracle => 3,
+            DrafterKind::Adversary => 4,
+        }
+    }
+
+    /// A short lowercase name (`fast-forward`, `ngram`, `draft-model`, `oracle`,
+    /// `adversary`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DrafterKind::FastForward => "fast-forward",
+            DrafterKind::Ngram => "ngram",
+            DrafterKind::DraftModel => "draft-model",
+            DrafterKind::Oracle => "oracle",
+            DrafterKind::Adversary => "adversary",
+        }
+    }
+
+    /// Whether drafting with this kind costs real compute (the cost model charges it).
+    pub fn is_costly(self) -> bool {
+        matches!(self, DrafterKind::DraftModel)
+    }
+}
+
+/// What a drafter knows when it proposes: the committed tokens of one sequence and how the
+/// target chooses.
+#[derive(Clone, Copy, Debug)]
+pub struct DraftContext<'a> {
+    /// Committed tokens: the prompt followed by the generated output. The last one is the
+    /// token `t` whose forward rides in the verify block as row 0; drafts follow it.
+    pub tokens: &'a [u32],
+    /// Prompt tokens at the front of `tokens`.
+    pub prompt_len: usize,
+    /// The request's sampling parameters (the seed keys the coupled noise).
+    pub params: &'a SamplingParams,
+    /// Tokens that are never sampled (padding, unused entries).
+    pub never: &'a TokenMask,
+    /// The most tokens to propose in all (forced ones included): the room left before
+    /// `max_tokens` and the context end, capped by the configured maximum.
+    pub max_tokens: usize,
+    /// The most *non-forced* tokens to propose (the adaptive policy's cap, at most
+    /// `max_tokens`; 0 = only grammar-forced tokens).
+    pub max_draft: usize,
+    /// Whether drafters that cost real compute (the draft model) may run (the cost model
+    /// turns them off when they do not pay).
+    pub allow_costly: bool,
+    /// Per-position confidence bars: draft position `j` (0-based) needs a confidence of
+    /// at least `bars[min(j, len - 1)]`; empty = no bar. Only drafters that have a
+    /// confidence (the draft model) use it.
+    pub bars: &'a [f32],
+    /// Whether an end-of-generation token ends the output (false with `ignore_eos`).
+    pub eos_ends: bool,
+    /// End-of-generation ids (drafting stops after proposing one when `eos_ends`).
+    pub eos: &'a [u32],
+}
+
+impl DraftContext<'_> {
+    /// Absolute position of the first draft token (`tokens.len()`).
+    pub fn next_position(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// The confidence bar of draft position `j`.
+    pub fn bar(&self, j: usize) -> f32 {
+        match self.bars.len() {
+            0 => 0.0,
+            n => self.bars[j.min(n - 1)],
+        }
+    }
+
+    /// Whether `token` ends the output (drafting past it is pointless).
+    pub fn ends(&self, token: u32) -> bool {
+        self.eos_ends && self.eos.contains(&token)
+    }
+}
+
+/// A drafter's proposal: tokens to verify after the last committed token.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DraftProposal {
+    /// Draft tokens `d1..dk` in order.
+    pub tokens: Vec<u32>,
+    /// How many of the tokens came from grammar fast-forward (forced by the grammar).
+    pub forced: usize,
+    /// Which drafter proposed the non-forced tokens (`None` when there are none).
+    pub source: Option<DrafterKind>,
+    /// Wall time the proposal took, in microseconds (the cost model charges costly kinds).
+    pub cost_us: u64,
+}
+
+impl DraftProposal {
+    /// Number of draft tokens.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether nothing was proposed.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+}
+
+/// The speculative grammar mirror as a drafter sees it: a fork of the request's verified
+/// matcher that drafts advance. Implemented by the engine over its constraint type.
+pub trait DraftMirror {
+    /// Writes the set of tokens allowed next into `mask`.
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String>;
+    /// Whether `token` is allowed next.
+    fn accepts(&mut self, token: u32) -> bool;
+    /// Advances over `token`.
+    fn consume(&mut self, token: u32) -> Result<(), String>;
+    /// Whether the output is complete.
+    fn is_finished(&self) -> bool;
+    /// Tokens the constraint forces from here (empty = a free choice).
+    fn forced_tokens(&mut self) -> Vec<u32>;
+}
+
+/// The mirror a drafter masks its drafts with: the speculative grammar mirror when the
+/// request is constrained, nothing otherwise. Once a position allows nothing, the mirror is
+/// finished, or it fails, it is *stopped*: drafting ends there.
+pub struct Mirror<'a> {
+    inner: Option<&'a mut dyn DraftMirror>,
+    mask: TokenMask,
+    stopped: bool,
+    advanced: usize,
+}
+
+impl std::fmt::Debug for Mirror<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mirror")
+            .field("constrained", &self.inner.is_some())
+            .field("stopped", &self.stopped)
+            .field("advanced", &self.advanced)
+            .finish()
+    }
+}
+
+impl<'a> Mirror<'a> {
+    /// No constraint: every token is allowed.
+    pub fn unconstrained() -> Mirror<'a> {
+        Mirror {
+            inner: None,
+            mask: TokenMask::new(0),
+            stopped: false,
+            advanced: 0,
+        }
+    }
+
+    /// A mirror over the speculative fork `inner` (logit width `n_vocab`).
+    pub fn new(inner: &'a mut dyn DraftMirror, n_vocab: usize) -> Mirror<'a> {
+        let stopped = inner.is_finished();
+        Mirror {
+            inner: Some(inner),
+            mask: TokenMask::new(n_vocab),
+            stopped,
+            advanced: 0,
+        }
+    }
+
+    /// Whether a grammar constrains the drafts.
+    pub fn is_constrained(&self) -> bool {
+        self.inner.is_some()
+    }
+
+    /// Whether drafting must stop here (finished, failed or all masked).
+    pub fn is_stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Tokens advanced over so far.
+    pub fn advanced(&self) -> usize {
+        self.advanced
+    }
+
+    /// The allowed set at the current draft position: `Some(None)` when unconstrained,
+    /// `Some(Some(mask))` under a grammar, `None` when drafting must stop (the mirror is
+    /// finished or failed, or the mask allows nothing — never argmax an all-masked row).
+    pub fn allowed(&mut self) -> Option<Option<&TokenMask>> {
+        if self.stopped {
+            return None;
+        }
+        let Some(inner) = self.inner.as_mut() else {
+            return Some(None);
+        };
+        if inner.is_finished() || inner.compute_mask(&mut self.mask).is_err() {
+            self.stopped = true;
+            return None;
+        }
+        if self.mask.count() == 0 {
+            self.stopped = true;
+            return None;
+        }
+        Some(Some(&self.mask))
+    }
+
+    /// Whether `token` may be drafted at the current position (false once stopped).
+    pub fn accepts(&mut self, token: u32) -> bool {
+        if self.stopped {
+            return false;
+        }
+        match self.inner.as_mut() {
+            None => true,
+            Some(inner) => !inner.is_finished() && inner.accepts(token),
+        }
+    }
+
+    /// Advances over `token` (which [`Mirror::accepts`] or the mask allowed); false (and
+    /// stopped) when the mirror refuses it.
+    pub fn advance(&mut self, token: u32) -> bool {
+        if self.stopped {
+            return false;
+        }
+        if let Some(inner) = self.inner.as_mut()
+            && inner.consume(token).is_err()
+        {
+            self.stopped = true;
+            return false;
+        }
+        self.advanced += 1;
+        true
+    }
+
+    /// Checks and advances in one call: false (nothing changed, or stopped) when `token`
+    /// is not allowed.
+    pub fn try_push(&mut self, token: u32) -> bool {
+        if !self.accepts(token) {
+            return false;
+        }
+        self.advance(token)
+    }
+
+    /// The tokens the grammar forces from here (empty when unconstrained or stopped).
+    pub fn forced(&mut self) -> Vec<u32> {
+        if self.stopped {
+            return Vec::new();
+        }
+        match self.inner.as_mut() {
+            Some(inner) if !inner.is_finished() => inner.forced_tokens(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Whether the grammar is complete after the drafts so far.
+    pub fn is_finished(&self) -> bool {
+        self.inner.as_ref().is_some_and(|m| m.is_finished())
+    }
+}
+
+/// A drafter: proposes tokens to verify after a sequence's last committed token. One
+/// drafter instance serves one sequence (it may keep state such as its own KV).
+///
+/// The contract that keeps speculation exact: a drafter only *proposes*; the engine's
+/// verifier decides every token with the target's own rule, so a wrong draft costs time,
+/// never correctness.
+pub trait Drafter: Send {
+    /// Which drafter this is (for counters and the cost model).
+    fn kind(&self) -> DrafterKind;
+
+    /// Proposes at most `ctx.max_draft` tokens after `ctx.tokens`, each allowed by `mirror`
+    /// (advance it over every proposed token; stop where it stops).
+    fn propose(&mut self, ctx: &DraftContext<'_>, mirror: &mut Mirror<'_>) -> DraftProposal;
+
+    /// The committed tokens after a verify cycle (prompt + output). Drafters with state
+    /// keep it in step and roll back whatever was drafted beyond it.
+    fn observe(&mut self, committed: &[u32]) {
+        let _ = committed;
+    }
+}

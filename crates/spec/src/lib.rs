@@ -1,0 +1,103 @@
+//! Speculative decoding: drafters (draft model, n-gram, grammar fast-forward), the verifier
+//! rule and adaptive drafting.
+//!
+//! A [`Drafter`] proposes tokens after a sequence's last committed token; every proposal
+//! is masked by the *speculative mirror* of the request's grammar ([`Mirror`]), so drafts
+//! never leave the grammar and drafting stops where the mask allows nothing. The engine
+//! verifies a proposal `[t, d1..dk]` in one batched forward: the target's choice at row `i`
+//! is the sampling rule on the grammar-masked logits at the row's absolute position (a pure
+//! function of logits, prefix, seed and position), drafts are accepted while they equal
+//! it, and the first mismatch yields the target's own token. The verifier never changes a
+//! token, so output with speculation on is identical to plain decoding (G2).
+//!
+//! Drafters: [`NgramDrafter`] (prompt lookup), [`FastForward`] (grammar-forced tokens),
+//! [`DraftModelDrafter`] (a smaller model with the same tokenizer, its own KV, coupled
+//! noise), and for tests [`Oracle`] (replays the plain output: 100% acceptance) and
+//! [`Adversary`] (always wrong: 0%). [`Chain`] combines them per sequence;
+//! [`DrafterSet`] builds a chain for each new sequence. The adaptive policy
+//! ([`SeqPolicy`], [`CostModel`]) decides when and how far to draft; [`SpecStats`] counts.
+
+mod chain;
+mod draft_model;
+mod drafter;
+mod ngram;
+mod policy;
+mod stats;
+mod testing;
+
+pub use chain::{Chain, FastForward};
+pub use draft_model::{DraftModel, DraftModelDrafter, check_same_tokenizer};
+pub use drafter::{DraftContext, DraftMirror, DraftProposal, Drafter, DrafterKind, Mirror};
+pub use ngram::{NgramConfig, NgramDrafter, find_match};
+pub use policy::{
+    Acceptance, CostModel, Gate, Plan, PolicyConfig, SeqPolicy, best_k, expected_rate,
+};
+pub use stats::SpecStats;
+pub use testing::{Adversary, Oracle};
+
+use std::sync::Arc;
+
+/// Errors of the speculation setup.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    /// The draft model's tokenizer is not the target's.
+    #[error("the draft model cannot draft for this target: {0}")]
+    TokenizerMismatch(String),
+    /// The draft model could not be set up (e.g. its KV pool).
+    #[error("draft model: {0}")]
+    DraftModel(String),
+}
+
+/// Which drafters a new sequence gets (the engine builds one [`Chain`] per sequence).
+#[derive(Clone, Debug, Default)]
+pub struct DrafterSet {
+    /// Grammar fast-forward (forced tokens drafted for free).
+    pub fast_forward: bool,
+    /// n-gram / prompt lookup, tried before the draft model.
+    pub ngram: Option<NgramConfig>,
+    /// A draft model.
+    pub draft_model: Option<Arc<DraftModel>>,
+}
+
+impl PartialEq for DrafterSet {
+    fn eq(&self, other: &Self) -> bool {
+        self.fast_forward == other.fast_forward
+            && self.ngram == other.ngram
+            && match (&self.draft_model, &other.draft_model) {
+                (None, None) => true,
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                _ => false,
+            }
+    }
+}
+
+impl DrafterSet {
+    /// Whether no drafter is configured.
+    pub fn is_empty(&self) -> bool {
+        !self.fast_forward && self.ngram.is_none() && self.draft_model.is_none()
+    }
+
+    /// n-gram (keys up to `max_n`) and fast-forward: the free drafters.
+    pub fn free(max_n: usize) -> DrafterSet {
+        DrafterSet {
+            fast_forward: true,
+            ngram: Some(NgramConfig {
+                max_n,
+                ..NgramConfig::default()
+            }),
+            draft_model: None,
+        }
+    }
+
+    /// A chain for one new sequence: fast-forward, then n-gram, then the draft model.
+    pub fn build(&self) -> Chain {
+        let mut drafters: Vec<Box<dyn Drafter>> = Vec::new();
+        if let Some(cfg) = self.ngram {
+            drafters.push(Box::new(NgramDrafter::new(cfg)));
+        }
+        if let Some(dm) = &self.draft_model {
+            drafters.push(Box::new(dm.drafter()));
+        }
+        Chain::new(self.fast_forward, drafters)
+    }
+}

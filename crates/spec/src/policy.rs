@@ -1,0 +1,466 @@
+//! Adaptive drafting: when to propose and how many tokens.
+//!
+//! Per sequence ([`SeqPolicy`]): per-position confidence bars, back-off after
+//! unproductive cycles (pauses double per miss, bounded ×8; the first-position bar rises
+//! +0.05 per miss, bounded +0.20; one accepted draft resets both), a margin gate (no
+//! proposal when the target hesitated over the last committed token), and a draft length
+//! chosen by the cost model. Engine-wide ([`CostModel`]): a linear fit of step time
+//! against rows, the measured drafting cost per token and acceptance per drafter kind,
+//! which decide whether a costly drafter (the draft model) pays at all.
+//!
+//! Grammar-forced tokens are certain and free to propose: the policy never withholds them.
+
+use crate::drafter::DrafterKind;
+
+/// The adaptive policy's settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PolicyConfig {
+    /// Most draft tokens per cycle (`--spec-max-draft`), forced tokens included.
+    pub max_draft: usize,
+    /// Per-position confidence bars for drafters with a confidence (position `j` uses
+    /// entry `min(j, len - 1)`; empty = none) (`--spec-confidence-grid`).
+    pub confidence_grid: Vec<f32>,
+    /// No free proposal when the top1 − top2 logit margin of the target logits that chose
+    /// the last committed token is below this (0 = gate off).
+    pub margin_bar: f32,
+    /// Back off after unproductive cycles.
+    pub backoff: bool,
+    /// Choose draft lengths (and whether the draft model runs) by measured cost.
+    pub cost_model: bool,
+}
+
+impl Default for PolicyConfig {
+    /// Up to 8 drafts, bars 0.55/0.6/0.65, margin gate off, back-off and cost model on.
+    fn default() -> Self {
+        PolicyConfig {
+            max_draft: 8,
+            confidence_grid: vec![0.55, 0.6, 0.65],
+            margin_bar: 0.0,
+            backoff: true,
+            cost_model: true,
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// Drafting whenever possible, at full length: no bars, no back-off, no margin gate,
+    /// no cost model (tests use it to force many verify cycles).
+    pub fn always(max_draft: usize) -> PolicyConfig {
+        PolicyConfig {
+            max_draft,
+            confidence_grid: Vec::new(),
+            margin_bar: 0.0,
+            backoff: false,
+            cost_model: false,
+        }
+    }
+}
+
+/// Decayed success/failure counts of per-position acceptance (a geometric model: each
+/// draft position is accepted with probability α given the previous ones were).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Acceptance {
+    ok: f64,
+    fail: f64,
+}
+
+impl Default for Acceptance {
+    /// A prior of one success and one failure (α = 0.5).
+    fn default() -> Self {
+        Acceptance { ok: 1.0, fail: 1.0 }
+    }
+}
+
+const DECAY: f64 = 0.9;
+
+impl Acceptance {
+    /// The estimated per-position acceptance probability.
+    pub fn alpha(&self) -> f64 {
+        self.ok / (self.ok + self.fail)
+    }
+
+    /// Records a cycle: `accepted` of `drafted` free drafts were accepted.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        self.ok = self.ok * DECAY + accepted as f64;
+        self.fail = self.fail * DECAY + f64::from(u8::from(accepted < drafted));
+    }
+}
+
+/// Expected tokens per millisecond of a cycle that drafts `k` tokens with per-position
+/// acceptance `alpha`: `(1 + α + … + α^k) / (base + k·(row + draft))`.
+pub fn expected_rate(alpha: f64, k: usize, base_ms: f64, row_ms: f64, draft_ms: f64) -> f64 {
+    let mut tokens = 1.0;
+    let mut p = 1.0;
+    for _ in 0..k {
+        p *= alpha;
+        tokens += p;
+    }
+    tokens / (base_ms + k as f64 * (row_ms + draft_ms)).max(1e-9)
+}
+
+/// The draft length in `0..=max` with the best [`expected_rate`].
+pub fn best_k(alpha: f64, max: usize, base_ms: f64, row_ms: f64, draft_ms: f64) -> usize {
+    let mut best = (expected_rate(alpha, 0, base_ms, row_ms, draft_ms), 0);
+    for k in 1..=max {
+        let r = expected_rate(alpha, k, base_ms, row_ms, draft_ms);
+        if r > best.0 * (1.0 + 1e-9) {
+            best = (r, k);
+        }
+    }
+    best.1
+}
+
+/// Engine-wide cost measurements: step time against rows, drafting cost and acceptance
+/// per drafter kind.
+#[derive(Clone, Debug)]
+pub struct CostModel {
+    // Decayed sums of the fit t = a + b·rows over decode/verify steps.
+    n: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+    draft_ms: [f64; 5],
+    draft_seen: [bool; 5],
+    acceptance: [Acceptance; 5],
+    cycles: [u64; 5],
+    /// Plans since a costly drafter was last allowed (for probing).
+    since_costly: u64,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        CostModel {
+            n: 0.0,
+            sx: 0.0,
+            sy: 0.0,
+            sxx: 0.0,
+            sxy: 0.0,
+            draft_ms: [0.0; 5],
+            draft_seen: [false; 5],
+            acceptance: [Acceptance::default(); 5],
+            cycles: [0; 5],
+            since_costly: 0,
+        }
+    }
+}
+
+const FIT_DECAY: f64 = 0.98;
+/// Without measurements, one more row is assumed to cost this fraction of a step.
+const DEFAULT_ROW_FRACTION: f64 = 0.05;
+/// A costly drafter judged a loss is retried once per this many plans.
+const PROBE_EVERY: u64 = 64;
+/// Cycles of evidence before a costly drafter can be judged a loss.
+const MIN_EVIDENCE: u64 = 8;
+
+impl CostModel {
+    /// An empty model (defaults until steps are measured).
+    pub fn new() -> CostModel {
+        CostModel::default()
+    }
+
+    /// Records a decode/verify step of `rows` rows that took `ms` (forward and choices).
+    pub fn observe_step(&mut self, rows: usize, ms: f64) {
+        if !ms.is_finite() || ms <= 0.0 || rows == 0 {
+            return;
+        }
+        let x = rows as f64;
+        self.n = self.n * FIT_DECAY + 1.0;
+        self.sx = self.sx * FIT_DECAY + x;
+        self.sy = self.sy * FIT_DECAY + ms;
+        self.sxx = self.sxx * FIT_DECAY + x * x;
+        self.sxy = self.sxy * FIT_DECAY + x * ms;
+    }
+
+    /// `(a, b)` of the fit `ms = a + b·rows` (b ≥ 0; a ≥ b). Falls back to a mean step
+    /// time with [`DEFAULT_ROW_FRACTION`] per extra row while the rows do not vary.
+    pub fn fit(&self) -> (f64, f64) {
+        if self.n < 1e-9 {
+            return (1.0, DEFAULT_ROW_FRACTION);
+        }
+        let mx = self.sx / self.n;
+        let my = self.sy / self.n;
+        let var = self.sxx / self.n - mx * mx;
+        if var < 0.05 {
+            let per = my / mx.max(1.0);
+            let b = per * DEFAULT_ROW_FRACTION;
+            return ((my - b * mx).max(b), b);
+        }
+        let b = ((self.sxy / self.n - mx * my) / var).max(0.0);
+        let a = (my - b * mx).max(b);
+        (a, b)
+    }
+
+    /// Estimated time of a one-row decode step, ms.
+    pub fn single_row_ms(&self) -> f64 {
+        let (a, b) = self.fit();
+        a + b
+    }
+
+    /// Estimated marginal time of one more row in a step, ms.
+    pub fn row_ms(&self) -> f64 {
+        self.fit().1
+    }
+
+    /// Records drafting `tokens` tokens with `kind` in `us` microseconds.
+    pub fn observe_draft(&mut self, kind: DrafterKind, tokens: usize, us: u64) {
+        if tokens == 0 || !kind.is_costly() {
+            return;
+        }
+        let per = us as f64 / 1e3 / tokens as f64;
+        let i = kind.index();
+        self.draft_ms[i] = if self.draft_seen[i] {
+            0.8 * self.draft_ms[i] + 0.2 * per
+        } else {
+            per
+        };
+        self.draft_seen[i] = true;
+    }
+
+    /// Measured drafting time per token of `kind`, ms (0 for free drafters).
+    pub fn draft_ms(&self, kind: DrafterKind) -> f64 {
+        self.draft_ms[kind.index()]
+    }
+
+    /// Records a verify cycle of `kind`: `accepted` of `drafted` free drafts.
+    pub fn observe_cycle(&mut self, kind: DrafterKind, drafted: usize, accepted: usize) {
+        let i = kind.index();
+        self.acceptance[i].record(drafted, accepted);
+        if drafted > 0 {
+            self.cycles[i] += 1;
+        }
+    }
+
+    /// The engine-wide acceptance estimate of `kind`.
+    pub fn alpha(&self, kind: DrafterKind) -> f64 {
+        self.acceptance[kind.index()].alpha()
+    }
+
+    /// Whether a costly drafter (the draft model) is expected to pay: the best draft
+    /// length under the measured costs and acceptance is at least 1. A drafter judged a
+    /// loss is still probed once every [`PROBE_EVERY`] calls, so the judgement can change.
+    pub fn costly_pays(&mut self, max_draft: usize) -> bool {
+        let kind = DrafterKind::DraftModel;
+        let i = kind.index();
+        if self.cycles[i] < MIN_EVIDENCE || !self.draft_seen[i] {
+            self.since_costly = 0;
+            return true;
+        }
+        let (a, b) = self.fit();
+        let pays = best_k(self.alpha(kind), max_draft, a, b, self.draft_ms(kind)) > 0;
+        if pays {
+            self.since_costly = 0;
+            return true;
+        }
+        self.since_costly += 1;
+        if self.since_costly >= PROBE_EVERY {
+            self.since_costly = 0;
+            return true;
+        }
+        false
+    }
+}
+
+/// What the policy allows for one decode step of one sequence.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// Most non-forced draft tokens (0 = only forced tokens).
+    pub max_draft: usize,
+    /// Confidence bars per draft position (with the back-off bump).
+    pub bars: Vec<f32>,
+    /// Why free drafting is off this step, if it is.
+    pub gate: Option<Gate>,
+}
+
+/// Why the policy withheld free drafts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gate {
+    /// Backing off after unproductive cycles.
+    BackOff,
+    /// The target hesitated (margin below the bar).
+    Margin,
+    /// The cost model expects no gain.
+    Cost,
+    /// No room: too close to `max_tokens` or the context end.
+    Room,
+}
+
+/// One sequence's adaptive state.
+#[derive(Clone, Debug, Default)]
+pub struct SeqPolicy {
+    misses: u32,
+    pause_left: u32,
+    acceptance: [Acceptance; 5],
+    last_kind: Option<DrafterKind>,
+}
+
+impl SeqPolicy {
+    /// A fresh state.
+    pub fn new() -> SeqPolicy {
+        SeqPolicy::default()
+    }
+
+    /// Consecutive unproductive cycles.
+    pub fn misses(&self) -> u32 {
+        self.misses
+    }
+
+    /// Plans a step: `room` = most draft tokens the sequence can still use (before
+    /// `max_tokens` and the context end), `margin` = the top1 − top2 margin of the logits
+    /// that chose the last committed token.
+    pub fn plan(
+        &mut self,
+        cfg: &PolicyConfig,
+        cost: &CostModel,
+        room: usize,
+        margin: Option<f32>,
+    ) -> Plan {
+        let bump = if cfg.backoff {
+            (0.05 * self.misses as f32).min(0.20)
+        } else {
+            0.0
+        };
+        let mut bars = cfg.confidence_grid.clone();
+        if let Some(b) = bars.first_mut() {
+            *b = (*b + bump).min(1.0);
+        } else if bump > 0.0 {
+            bars.push(bump);
+        }
+        let cap = cfg.max_draft.min(room);
+        let mut plan = Plan {
+            max_draft: cap,
+            bars,
+            gate: None,
+        };
+        if cap == 0 {
+            plan.gate = Some(Gate::Room);
+        } else if cfg.backoff && self.pause_left > 0 {
+            self.pause_left -= 1;
+            plan.gate = Some(Gate::BackOff);
+        } else if cfg.margin_bar > 0.0 && margin.is_some_and(|m| m < cfg.margin_bar) {
+            plan.gate = Some(Gate::Margin);
+        } else if cfg.cost_model {
+            let kind = self.last_kind.unwrap_or(DrafterKind::Ngram);
+            let alpha = self.acceptance[kind.index()].alpha();
+            let (a, b) = cost.fit();
+            let k = best_k(alpha, cap, a, b, cost.draft_ms(kind));
+            if k == 0 {
+                plan.gate = Some(Gate::Cost);
+            }
+            plan.max_draft = k;
+        }
+        if plan.gate.is_some() {
+            plan.max_draft = 0;
+        }
+        plan
+    }
+
+    /// Records a verify cycle: `kind` proposed `drafted` free (non-forced) tokens, of which
+    /// `accepted` were accepted.
+    pub fn record(&mut self, kind: Option<DrafterKind>, drafted: usize, accepted: usize) {
+        let Some(kind) = kind else { return };
+        if drafted == 0 {
+            return;
+        }
+        self.last_kind = Some(kind);
+        self.acceptance[kind.index()].record(drafted, accepted);
+        if accepted > 0 {
+            self.misses = 0;
+            self.pause_left = 0;
+        } else {
+            self.misses += 1;
+            self.pause_left = 1u32 << (self.misses - 1).min(3);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn back_off_doubles_pauses_up_to_eight_and_one_accept_resets() {
+        let cfg = PolicyConfig {
+            cost_model: false,
+            ..PolicyConfig::default()
+        };
+        let cost = CostModel::new();
+        let mut p = SeqPolicy::new();
+        let mut pauses = Vec::new();
+        for _ in 0..5 {
+            p.record(Some(DrafterKind::Ngram), 3, 0);
+            let mut n = 0;
+            while p.plan(&cfg, &cost, 8, None).gate == Some(Gate::BackOff) {
+                n += 1;
+            }
+            pauses.push(n);
+        }
+        assert_eq!(pauses, vec![1, 2, 4, 8, 8]);
+        // The first-position bar rose +0.05 per miss, bounded +0.20.
+        let plan = p.plan(&cfg, &cost, 8, None);
+        assert!((plan.bars[0] - 0.75).abs() < 1e-6, "{:?}", plan.bars);
+        assert_eq!(plan.bars[1], 0.6);
+        p.record(Some(DrafterKind::Ngram), 3, 1);
+        let plan = p.plan(&cfg, &cost, 8, None);
+        assert_eq!(plan.gate, None);
+        assert_eq!(plan.bars[0], 0.55);
+        assert_eq!(plan.max_draft, 8);
+    }
+
+    #[test]
+    fn the_margin_gate_and_the_room_cap_withhold_drafts() {
+        let cfg = PolicyConfig {
+            margin_bar: 1.0,
+            cost_model: false,
+            ..PolicyConfig::default()
+        };
+        let cost = CostModel::new();
+        let mut p = SeqPolicy::new();
+        assert_eq!(p.plan(&cfg, &cost, 8, Some(0.5)).gate, Some(Gate::Margin));
+        assert_eq!(p.plan(&cfg, &cost, 8, Some(2.0)).max_draft, 8);
+        assert_eq!(p.plan(&cfg, &cost, 3, Some(2.0)).max_draft, 3);
+        assert_eq!(p.plan(&cfg, &cost, 0, Some(2.0)).gate, Some(Gate::Room));
+    }
+
+    #[test]
+    fn the_cost_model_drafts_long_when_acceptance_is_high_and_not_when_drafts_cost() {
+        // Cheap rows (2% of a step): α = 0.9 drafts the maximum, α = 0.01 nothing.
+        assert_eq!(best_k(0.9, 8, 10.0, 0.2, 0.0), 8);
+        assert_eq!(best_k(0.01, 8, 10.0, 0.2, 0.0), 0);
+        // A draft model costing 0.6 of a step per token at 60% acceptance is a loss.
+        assert_eq!(best_k(0.6, 8, 10.0, 0.2, 6.0), 0);
+    }
+
+    #[test]
+    fn the_step_fit_recovers_base_and_per_row_cost() {
+        let mut c = CostModel::new();
+        for i in 0..50 {
+            let rows = 1 + i % 5;
+            c.observe_step(rows, 20.0 + 2.0 * rows as f64);
+        }
+        let (a, b) = c.fit();
+        assert!((a - 20.0).abs() < 1e-6 && (b - 2.0).abs() < 1e-6, "{a} {b}");
+        assert!((c.single_row_ms() - 22.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_costly_drafter_that_loses_is_turned_off_and_probed_later() {
+        let mut c = CostModel::new();
+        for i in 0..40 {
+            c.observe_step(1 + i % 4, 10.0 + 0.5 * (1 + i % 4) as f64);
+        }
+        assert!(c.costly_pays(4), "no evidence yet");
+        for _ in 0..20 {
+            c.observe_draft(DrafterKind::DraftModel, 4, 24_000); // 6 ms per token
+            c.observe_cycle(DrafterKind::DraftModel, 4, 1);
+        }
+        let mut allowed = 0;
+        for _ in 0..PROBE_EVERY {
+            allowed += usize::from(c.costly_pays(4));
+        }
+        assert_eq!(allowed, 1, "off except one probe");
+    }
+}
