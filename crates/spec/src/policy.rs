@@ -295,7 +295,15 @@ pub struct SeqPolicy {
     pause_left: u32,
     acceptance: [Acceptance; 5],
     last_kind: Option<DrafterKind>,
+    /// Consecutive steps the cost model withheld drafts (a probe follows
+    /// [`COST_PROBE_EVERY`] of them, so the measurements can change its mind).
+    cost_skips: u32,
 }
+
+/// After this many steps withheld by the cost model, one short cycle is drafted anyway.
+pub const COST_PROBE_EVERY: u32 = 16;
+/// Draft length of such a probe.
+const COST_PROBE_LEN: usize = 2;
 
 impl SeqPolicy {
     /// A fresh state.
@@ -346,9 +354,17 @@ impl SeqPolicy {
             let kind = self.last_kind.unwrap_or(DrafterKind::Ngram);
             let alpha = self.acceptance[kind.index()].alpha();
             let (a, b) = cost.fit();
-            let k = best_k(alpha, cap, a, b, cost.draft_ms(kind));
+            let mut k = best_k(alpha, cap, a, b, cost.draft_ms(kind));
             if k == 0 {
-                plan.gate = Some(Gate::Cost);
+                self.cost_skips += 1;
+                if self.cost_skips >= COST_PROBE_EVERY {
+                    self.cost_skips = 0;
+                    k = COST_PROBE_LEN.min(cap);
+                } else {
+                    plan.gate = Some(Gate::Cost);
+                }
+            } else {
+                self.cost_skips = 0;
             }
             plan.max_draft = k;
         }
@@ -432,6 +448,28 @@ mod tests {
         assert_eq!(best_k(0.01, 8, 10.0, 0.2, 0.0), 0);
         // A draft model costing 0.6 of a step per token at 60% acceptance is a loss.
         assert_eq!(best_k(0.6, 8, 10.0, 0.2, 6.0), 0);
+    }
+
+    #[test]
+    fn drafts_withheld_by_the_cost_model_are_probed_now_and_then() {
+        let mut c = CostModel::new();
+        for i in 0..40 {
+            c.observe_step(1 + i % 4, 10.0 + 5.0 * (1 + i % 4) as f64);
+        }
+        let cfg = PolicyConfig::default();
+        let mut p = SeqPolicy::new();
+        p.record(Some(DrafterKind::Ngram), 4, 0);
+        p.record(Some(DrafterKind::Ngram), 4, 0);
+        let mut p = SeqPolicy {
+            misses: 0,
+            pause_left: 0,
+            ..p
+        };
+        let plans: Vec<usize> = (0..COST_PROBE_EVERY)
+            .map(|_| p.plan(&cfg, &c, 8, None).max_draft)
+            .collect();
+        assert_eq!(plans.iter().filter(|&&k| k > 0).count(), 1, "{plans:?}");
+        assert_eq!(plans.last(), Some(&COST_PROBE_LEN));
     }
 
     #[test]

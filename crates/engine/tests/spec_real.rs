@@ -1,0 +1,483 @@
+//! G2 on real models: with speculation on — n-gram + grammar fast-forward, a draft model,
+//! an oracle and an adversary — every golden prompt and a set of JSON Schema / regex /
+//! Lark constrained requests, greedy and seeded at T = 0.8, several sequences at once,
+//! give the same token events (ids, text deltas, logprobs, top logprobs, per-position
+//! logit SHA-256), finish reasons and usage as plain decoding. The counters prove drafts
+//! were proposed, accepted and rejected, so no test passes vacuously.
+
+use lockstep_engine::{
+    Engine, EngineConfig, Event, FinishReason, GenerateRequest, ModelBackend, RequestHandle,
+    SamplingParams, SpecConfig, SpecStats, StopCause, Usage,
+};
+use spec::{Adversary, DraftModel, DrafterSet, Oracle, PolicyConfig};
+use std::path::PathBuf;
+use std::sync::Arc;
+use text::{EncodeOptions, Tokenizer};
+
+struct Target {
+    model: Arc<model::Model>,
+    tok: Arc<Tokenizer>,
+}
+
+fn load(name: &str, n_ctx: usize) -> Target {
+    let path = hub::ensure_model(name).expect("model in the cache");
+    let file = Arc::new(gguf::GgufFile::open(&path).expect("GGUF opens"));
+    let tok = Arc::new(Tokenizer::from_gguf(&file).expect("tokenizer"));
+    let opts = model::LoadOptions {
+        threads: Some(2),
+        n_ctx: Some(n_ctx),
+        ..model::LoadOptions::default()
+    };
+    let model = Arc::new(model::Model::load(file, &opts).expect("model loads"));
+    Target { model, tok }
+}
+
+fn cfg(spec: SpecConfig) -> EngineConfig {
+    EngineConfig {
+        max_seqs: 8,
+        kv_tokens: 8192,
+        step_token_budget: 128,
+        prefill_chunk: 64,
+        queue_capacity: 64,
+        context_len: 0,
+        prefix_cache: true,
+        spec,
+    }
+}
+
+fn engine(t: &Target, spec: SpecConfig) -> Engine {
+    Engine::start(
+        Box::new(ModelBackend::new(t.model.clone())),
+        t.tok.clone(),
+        cfg(spec),
+    )
+    .expect("engine starts")
+}
+
+/// Everything a request's stream delivered, timings aside.
+#[derive(Debug, Clone, PartialEq)]
+struct Run {
+    tokens: Vec<Event>,
+    finish: Option<(FinishReason, String, Usage)>,
+    error: Option<String>,
+}
+
+impl Run {
+    fn ids(&self) -> Vec<u32> {
+        self.tokens
+            .iter()
+            .filter_map(|e| match e {
+                Event::Token { token, .. } => Some(*token),
+                _ => None,
+            })
+            .collect()
+    }
+    fn text(&self) -> String {
+        let mut s: String = self
+            .tokens
+            .iter()
+            .filter_map(|e| match e {
+                Event::Token { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        if let Some(f) = &self.finish {
+            s.push_str(&f.1);
+        }
+        s
+    }
+}
+
+fn collect(h: RequestHandle) -> Run {
+    let mut run = Run {
+        tokens: Vec::new(),
+        finish: None,
+        error: None,
+    };
+    for e in &h {
+        match e {
+            Event::Finished {
+                reason,
+                text,
+                usage,
+                ..
+            } => run.finish = Some((reason, text, usage)),
+            Event::Error(e) => run.error = Some(e),
+            tok => run.tokens.push(tok),
+        }
+    }
+    run
+}
+
+fn run_all(e: &Engine, reqs: Vec<GenerateRequest>) -> Vec<Run> {
+    let hs: Vec<_> = reqs.into_iter().map(|r| e.submit(r).unwrap()).collect();
+    hs.into_iter().map(collect).collect()
+}
+
+fn assert_identical(plain: &[Run], spec: &[Run], what: &str) -> SpecStats {
+    let mut total = SpecStats::default();
+    assert_eq!(plain.len(), spec.len());
+    for (i, (p, s)) in plain.iter().zip(spec).enumerate() {
+        assert_eq!(p.error, None, "{what} {i}");
+        assert_eq!(s.error, None, "{what} {i}");
+        assert!(!p.tokens.is_empty(), "{what} {i}: generated something");
+        assert_eq!(p.tokens, s.tokens, "{what} {i}: token events");
+        let strip = |r: &Run| {
+            r.finish.clone().map(|(reason, text, mut usage)| {
+                usage.spec = None;
+                (reason, text, usage)
+            })
+        };
+        assert_eq!(strip(p), strip(s), "{what} {i}: finish and usage");
+        let st = s
+            .finish
+            .as_ref()
+            .and_then(|f| f.2.spec)
+            .expect("spec stats");
+        total.add(&st);
+    }
+    total
+}
+
+fn request(prompt: Vec<u32>, sampling: SamplingParams, n: usize) -> GenerateRequest {
+    let mut r = GenerateRequest::new(prompt, sampling);
+    r.max_tokens = Some(n);
+    r.logit_digests = true;
+    r.logprobs = Some(3);
+    r
+}
+
+fn temps() -> [SamplingParams; 2] {
+    [
+        SamplingParams::greedy(),
+        SamplingParams {
+            temperature: 0.8,
+            seed: 42,
+            ..SamplingParams::default()
+        },
+    ]
+}
+
+fn golden_prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
+    #[derive(serde::Deserialize)]
+    struct P {
+        text: String,
+    }
+    let dir = match std::env::var_os("LOCKSTEP_SHARED") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+            let manifest = std::fs::canonicalize(&manifest).unwrap_or(manifest);
+            manifest
+                .ancestors()
+                .map(|b| b.join("shared"))
+                .find(|c| c.join("golden/prompts.json").is_file())
+                .expect("shared/golden beside the checkout (or set LOCKSTEP_SHARED)")
+        }
+    };
+    let bytes = std::fs::read(dir.join("golden/prompts.json")).expect("prompts.json");
+    let ps: Vec<P> = serde_json::from_slice(&bytes).expect("prompts JSON");
+    assert!(ps.len() >= 8);
+    ps.iter()
+        .map(|p| tok.encode(&p.text, EncodeOptions::raw_prompt()))
+        .collect()
+}
+
+/// Attaches a per-request drafter built from the plain output (prompt ++ output).
+fn with(
+    reqs: Vec<GenerateRequest>,
+    plain: &[Run],
+    make: impl Fn(Vec<u32>) -> Box<dyn spec::Drafter>,
+) -> Vec<GenerateRequest> {
+    reqs.into_iter()
+        .zip(plain)
+        .map(|(mut r, p)| {
+            let mut expected = r.prompt.clone();
+            expected.extend(p.ids());
+            r.drafter = Some(make(expected));
+            r.spec_policy = Some(PolicyConfig::always(4));
+            r
+        })
+        .collect()
+}
+
+/// Runs `reqs()` plain and with each drafter; returns the totals per drafter.
+fn check_all_drafters(
+    t: &Target,
+    draft: Option<Arc<DraftModel>>,
+    reqs: &dyn Fn() -> Vec<GenerateRequest>,
+    what: &str,
+) -> Vec<(&'static str, SpecStats)> {
+    let t0 = std::time::Instant::now();
+    let plain_engine = engine(t, SpecConfig::default());
+    let plain = run_all(&plain_engine, reqs());
+    plain_engine.shutdown();
+    eprintln!("{what} plain: {:?}", t0.elapsed());
+    let mut out = Vec::new();
+
+    // n-gram + fast-forward under an always-draft policy, and under the adaptive one.
+    for (name, policy) in [
+        ("ngram+ff", PolicyConfig::always(4)),
+        ("ngram+ff adaptive", PolicyConfig::default()),
+    ] {
+        let e = engine(
+            t,
+            SpecConfig {
+                policy,
+                ..SpecConfig::auto(DrafterSet::free(3))
+            },
+        );
+        let t0 = std::time::Instant::now();
+        let s = assert_identical(&plain, &run_all(&e, reqs()), &format!("{what} {name}"));
+        eprintln!("{what} {name}: {:?}", t0.elapsed());
+        e.shutdown();
+        out.push((name, s));
+    }
+    if let Some(dm) = draft {
+        let e = engine(
+            t,
+            SpecConfig {
+                policy: PolicyConfig::always(4),
+                ..SpecConfig::auto(DrafterSet {
+                    fast_forward: false,
+                    ngram: None,
+                    draft_model: Some(dm),
+                })
+            },
+        );
+        // The draft model drafts one sequence at a time: half the requests keep it quick.
+        let n = plain.len().div_ceil(2);
+        let half: Vec<GenerateRequest> = reqs().into_iter().step_by(2).collect();
+        assert_eq!(half.len(), n);
+        // Its own plain reference: prefix-cache hits depend on which requests run together.
+        let pe = engine(t, SpecConfig::default());
+        let plain_half = run_all(&pe, reqs().into_iter().step_by(2).collect());
+        pe.shutdown();
+        for (a, b) in plain_half.iter().zip(plain.iter().step_by(2)) {
+            assert_eq!(
+                a.tokens, b.tokens,
+                "{what}: batch invariance of the reference"
+            );
+        }
+        let t0 = std::time::Instant::now();
+        let s = assert_identical(
+            &plain_half,
+            &run_all(&e, half),
+            &format!("{what} draft model"),
+        );
+        eprintln!("{what} draft model: {:?}", t0.elapsed());
+        e.shutdown();
+        out.push(("draft-model", s));
+    }
+    let e = engine(t, SpecConfig::default());
+    let s = assert_identical(
+        &plain,
+        &run_all(&e, with(reqs(), &plain, |x| Box::new(Oracle::new(x)))),
+        &format!("{what} oracle"),
+    );
+    e.shutdown();
+    out.push(("oracle", s));
+    let e = engine(t, SpecConfig::default());
+    let s = assert_identical(
+        &plain,
+        &run_all(&e, with(reqs(), &plain, |x| Box::new(Adversary::new(x)))),
+        &format!("{what} adversary"),
+    );
+    out.push(("adversary", s));
+    e.shutdown();
+    for (name, s) in &out {
+        eprintln!(
+            "{what} {name}: cycles {} drafted {} accepted {} (rate {:.2}) full {} partial {} miss {} no-draft {} forced {}",
+            s.cycles,
+            s.drafted,
+            s.accepted,
+            s.accept_rate(),
+            s.full,
+            s.partial,
+            s.miss,
+            s.no_draft,
+            s.forced
+        );
+    }
+    out
+}
+
+fn get(stats: &[(&str, SpecStats)], name: &str) -> SpecStats {
+    stats
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|s| s.1)
+        .expect("ran")
+}
+
+fn smollm2_draft(t: &Target) -> Arc<DraftModel> {
+    // SmolLM2 drafting for itself: a valid drafter (same tokenizer, own KV).
+    DraftModel::new(
+        "smollm2-135m",
+        t.model.clone(),
+        &t.tok,
+        &t.tok,
+        t.model.config().n_vocab,
+        8192,
+    )
+    .expect("same tokenizer")
+}
+
+#[test]
+fn smollm2_golden_prompts_with_every_drafter_equal_plain_decoding() {
+    let t = load("smollm2-135m", 512);
+    let prompts = golden_prompts(&t.tok);
+    let reqs = || {
+        let mut v = Vec::new();
+        for p in temps() {
+            for pr in &prompts {
+                v.push(request(pr.clone(), p.clone(), 16));
+            }
+        }
+        v
+    };
+    let stats = check_all_drafters(&t, Some(smollm2_draft(&t)), &reqs, "golden");
+    let ng = get(&stats, "ngram+ff");
+    assert!(
+        ng.drafted > 0 && ng.accepted > 0 && ng.accepted < ng.drafted,
+        "{ng:?}"
+    );
+    let dm = get(&stats, "draft-model");
+    assert!(dm.drafted > 30 && dm.accepted > 0, "{dm:?}");
+    // The target drafting for itself agrees with itself (same logits, same noise).
+    assert!(dm.accept_rate() > 0.9, "{dm:?}");
+    let or = get(&stats, "oracle");
+    assert!(or.drafted > 50 && or.accepted == or.drafted, "{or:?}");
+    let ad = get(&stats, "adversary");
+    assert!(ad.drafted > 50 && ad.accepted == 0, "{ad:?}");
+}
+
+#[test]
+fn smollm2_constrained_requests_with_every_drafter_equal_plain_decoding() {
+    use grammar::{Constraint, GrammarLimits, TokenEnv};
+    let t = load("smollm2-135m", 512);
+    let env = TokenEnv::with_logit_width(t.tok.clone(), t.model.config().n_vocab).expect("env");
+    let compile = |c: Constraint| {
+        c.compile(&env, &GrammarLimits::default())
+            .expect("constraint compiles")
+    };
+    let schema = compile(Constraint::json_schema(serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer"},
+            "city": {"type": "string", "maxLength": 12}
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": false
+    })));
+    let regex = compile(Constraint::regex("[0-9]{3}-[a-z]{2,4}"));
+    let lark = compile(Constraint::lark(
+        "start: \"The answer is \" NUMBER \", because \" WORD \".\"\nNUMBER: /[0-9]{1,3}/\nWORD: /[a-z]{1,8}/",
+    ));
+    let chat = |q: &str| {
+        t.tok.encode(
+            &format!("<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"),
+            EncodeOptions::raw_prompt(),
+        )
+    };
+    let cases = [
+        (
+            chat("Return a JSON object with keys name, age and city for Ada, 36, from London."),
+            &schema,
+        ),
+        (chat("Give me a code."), &regex),
+        (chat("What is six times seven?"), &lark),
+    ];
+    let reqs = || {
+        let mut v = Vec::new();
+        for p in temps() {
+            for (prompt, c) in &cases {
+                let mut r = request(prompt.clone(), p.clone(), 40);
+                r.constraint = Some(Box::new(c.matcher()));
+                v.push(r);
+            }
+        }
+        v
+    };
+    let stats = check_all_drafters(&t, Some(smollm2_draft(&t)), &reqs, "constrained");
+    let ng = get(&stats, "ngram+ff");
+    assert!(
+        ng.forced > 5 && ng.accepted > 0,
+        "fast-forward drafted: {ng:?}"
+    );
+    let or = get(&stats, "oracle");
+    assert!(or.drafted > 20 && or.accepted == or.drafted, "{or:?}");
+    let ad = get(&stats, "adversary");
+    assert!(ad.drafted > 10 && ad.accepted == 0, "{ad:?}");
+    let dm = get(&stats, "draft-model");
+    assert!(dm.drafted > 5 && dm.accepted > 0, "{dm:?}");
+    // The outputs honour their grammars.
+    let e = engine(&t, SpecConfig::auto(DrafterSet::free(3)));
+    let runs = run_all(&e, reqs());
+    for r in &runs {
+        if r.finish.as_ref().map(|f| f.0) == Some(FinishReason::Stop(StopCause::GrammarEnd)) {
+            let text = r.text();
+            if text.starts_with('{') {
+                let v: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+                assert!(v.get("age").is_some_and(|a| a.is_i64()), "{text}");
+            }
+        }
+    }
+    e.shutdown();
+}
+
+#[test]
+fn qwen_coder_half_b_drafting_for_one_and_a_half_b_equals_plain_decoding() {
+    let target = load("qwen2.5-coder-1.5b", 256);
+    let draft = load("qwen2.5-coder-0.5b", 256);
+    // A different tokenizer is refused with a clear error.
+    let smol = load("smollm2-135m", 256);
+    let err = DraftModel::new(
+        "smollm2-135m",
+        smol.model.clone(),
+        &smol.tok,
+        &target.tok,
+        target.model.config().n_vocab,
+        1024,
+    )
+    .expect_err("a different tokenizer is refused");
+    assert!(err.to_string().contains("cannot draft"), "{err}");
+    let dm = DraftModel::new(
+        "qwen2.5-coder-0.5b",
+        draft.model.clone(),
+        &draft.tok,
+        &target.tok,
+        target.model.config().n_vocab,
+        2048,
+    )
+    .expect("same tokenizer");
+    let prompt = target.tok.encode(
+        "<|im_start|>user\nWrite a Python function that returns the square of x.<|im_end|>\n<|im_start|>assistant\n",
+        EncodeOptions::raw_prompt(),
+    );
+    let reqs = || {
+        temps()
+            .into_iter()
+            .map(|p| request(prompt.clone(), p, 10))
+            .collect::<Vec<_>>()
+    };
+    let plain_engine = engine(&target, SpecConfig::default());
+    let plain = run_all(&plain_engine, reqs());
+    plain_engine.shutdown();
+    let e = engine(
+        &target,
+        SpecConfig {
+            policy: PolicyConfig::always(4),
+            ..SpecConfig::auto(DrafterSet {
+                fast_forward: true,
+                ngram: None,
+                draft_model: Some(dm),
+            })
+        },
+    );
+    let s = assert_identical(&plain, &run_all(&e, reqs()), "qwen 0.5b→1.5b");
+    e.shutdown();
+    eprintln!("qwen draft model: {s:?} rate {:.2}", s.accept_rate());
+    assert!(s.drafted > 0 && s.accepted > 0, "{s:?}");
+}
