@@ -118,10 +118,15 @@ pub enum EngineError {
 pub enum SubmitError {
     /// The admission queue is full ([`EngineConfig::queue_capacity`]); try again later
     /// (HTTP 429/503).
-    #[error("the engine is busy: {queued} requests are already waiting (capacity {capacity})")]
+    #[error(
+        "the engine is busy: {queued} requests are already waiting and {wanted} more do not \
+         fit (capacity {capacity})"
+    )]
     Busy {
         /// Requests waiting.
         queued: usize,
+        /// Requests this submission asked to queue (the group size, 1 for `submit`).
+        wanted: usize,
         /// The queue capacity.
         capacity: usize,
     },
@@ -480,6 +485,16 @@ impl Engine {
     /// ([`SubmitError::Busy`]).
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle, SubmitError> {
         step::submit(&self.shared, req)
+    }
+
+    /// Queues a group of requests (the `n` choices of one API call) all or none: each is
+    /// checked as by [`Engine::submit`], and the queue must have room for the whole group,
+    /// so a refused group leaves nothing queued behind it.
+    pub fn submit_group(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> Result<Vec<RequestHandle>, SubmitError> {
+        step::submit_group(&self.shared, reqs)
     }
 
     /// A snapshot of the counters.

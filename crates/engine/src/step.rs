@@ -164,7 +164,12 @@ pub(crate) fn submit(
     shared: &Arc<Shared>,
     req: GenerateRequest,
 ) -> Result<RequestHandle, SubmitError> {
-    let l = shared.limits;
+    let mut handles = submit_group(shared, vec![req])?;
+    Ok(handles.remove(0))
+}
+
+/// Checks one request before it is queued; returns its stop-string matcher.
+fn check(l: &Limits, req: &GenerateRequest) -> Result<StopChecker, SubmitError> {
     if req.prompt.is_empty() {
         return Err(SubmitError::Invalid("the prompt is empty".into()));
     }
@@ -200,39 +205,60 @@ pub(crate) fn submit(
     req.sampling
         .validate()
         .map_err(|e| SubmitError::Invalid(e.to_string()))?;
-    let stop = StopChecker::new(req.stop_strings.iter().cloned())
-        .map_err(|e| SubmitError::Invalid(e.to_string()))?;
+    StopChecker::new(req.stop_strings.iter().cloned())
+        .map_err(|e| SubmitError::Invalid(e.to_string()))
+}
 
+/// Queues every request of `reqs` or none of them: each is checked, then the queue's
+/// room is checked for all of them together under one lock, so a refused group leaves
+/// nothing behind.
+pub(crate) fn submit_group(
+    shared: &Arc<Shared>,
+    reqs: Vec<GenerateRequest>,
+) -> Result<Vec<RequestHandle>, SubmitError> {
+    let l = shared.limits;
+    if reqs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let stops = reqs
+        .iter()
+        .map(|r| check(&l, r))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut inbox = lock(&shared.inbox);
     if inbox.closed || inbox.shutdown {
         return Err(SubmitError::ShutDown);
     }
-    if inbox.queued >= l.queue_capacity {
+    if inbox.queued + reqs.len() > l.queue_capacity {
         return Err(SubmitError::Busy {
             queued: inbox.queued,
+            wanted: reqs.len(),
             capacity: l.queue_capacity,
         });
     }
-    let id = shared.next_id.fetch_add(1, Ordering::SeqCst);
-    let (tx, rx) = channel();
-    let cancelled = Arc::new(AtomicBool::new(false));
-    inbox.incoming.push_back(Pending {
-        id,
-        req,
-        stop,
-        events: tx,
-        cancelled: cancelled.clone(),
-        submitted: Instant::now(),
-    });
-    inbox.queued += 1;
+    let mut handles = Vec::with_capacity(reqs.len());
+    for (req, stop) in reqs.into_iter().zip(stops) {
+        let id = shared.next_id.fetch_add(1, Ordering::SeqCst);
+        let (tx, rx) = channel();
+        let cancelled = Arc::new(AtomicBool::new(false));
+        inbox.incoming.push_back(Pending {
+            id,
+            req,
+            stop,
+            events: tx,
+            cancelled: cancelled.clone(),
+            submitted: Instant::now(),
+        });
+        inbox.queued += 1;
+        handles.push(RequestHandle {
+            id,
+            events: rx,
+            cancelled,
+            shared: shared.clone(),
+        });
+    }
     shared.cv.notify_all();
     drop(inbox);
-    Ok(RequestHandle {
-        id,
-        events: rx,
-        cancelled,
-        shared: shared.clone(),
-    })
+    Ok(handles)
 }
 
 /// One sequence: its request, its committed tokens and how far its KV is computed.

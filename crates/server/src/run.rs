@@ -112,18 +112,13 @@ impl std::fmt::Debug for Run {
 }
 
 impl Run {
-    /// Submits every choice of `job`. A refused submission cancels the choices already
-    /// submitted. Must be called inside the tokio runtime.
+    /// Submits every choice of `job`, all or none (a refused group queues nothing). Must be called inside the tokio runtime.
     pub fn start(
         model: Arc<ServedModel>,
         metrics: Arc<Metrics>,
         job: &Job,
     ) -> Result<Run, ApiError> {
-        let requests = job.requests(&model);
-        let mut handles = Vec::with_capacity(requests.len());
-        for req in requests {
-            handles.push(model.engine.submit(req)?);
-        }
+        let handles = model.engine.submit_group(job.requests(&model))?;
         let (tx, rx) = mpsc::channel(1024);
         for (choice, handle) in handles.into_iter().enumerate() {
             let tx = tx.clone();

@@ -335,6 +335,21 @@ fn a_full_queue_answers_busy_and_accepts_again_later() {
         busy,
         Err(SubmitError::Busy {
             queued: 2,
+            wanted: 1,
+            capacity: 2
+        })
+    ));
+    assert_eq!(engine.metrics().queue_depth, 2);
+    // A group that does not fit is refused whole: nothing of it is queued.
+    let group = engine.submit_group(vec![
+        request(prompt(74, 4), SamplingParams::greedy(), 2),
+        request(prompt(75, 4), SamplingParams::greedy(), 2),
+    ]);
+    assert!(matches!(
+        group,
+        Err(SubmitError::Busy {
+            queued: 2,
+            wanted: 2,
             capacity: 2
         })
     ));
