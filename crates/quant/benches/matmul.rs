@@ -52,6 +52,8 @@ fn bench_matmul(c: &mut Criterion) {
         Format::Q4_K,
         Format::Q5_K,
         Format::Q6_K,
+        Format::IQ2_XXS,
+        Format::MXFP4,
         Format::F16,
         Format::BF16,
         Format::F32,

@@ -2,6 +2,7 @@
 //! the format definitions that the scalar reference kernels and dequantization share.
 
 use crate::Format;
+use crate::tables::{IQ2XXS_GRID, KVALUES_MXFP4, e8m0_to_f32_half, ksigns};
 
 /// f16 at a byte offset (little-endian), decoded exactly to f32.
 #[inline]
@@ -15,8 +16,8 @@ pub(crate) fn u32_at(b: &[u8], off: usize) -> u32 {
     u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
 }
 
-/// One weight block in integer form: `w_i = (d·sc_j)·code_i − (m·mn_j)` for k-quants, or the
-/// legacy forms `d·code_i` / `d·code_i + m`.
+/// One weight block in integer form: `w_i = (d·sc_j)·code_i − (m·mn_j)` for k-quants and
+/// IQ2_XXS, or the legacy forms `d·code_i` / `d·code_i + m` (MXFP4 as Q8_0: `d·code_i`).
 pub(crate) struct IntBlock {
     /// Signed codes, `len` of them (after subtracting the format's offset where it has one).
     pub codes: [i8; 256],
@@ -24,7 +25,7 @@ pub(crate) struct IntBlock {
     pub sc: [i32; 16],
     /// Sub-block minimums (Q2_K, Q4_K, Q5_K).
     pub mn: [i32; 16],
-    /// Block scale (`d`).
+    /// Block scale (`d`; IQ2_XXS: the f16 `d` times 0.125, exact; MXFP4: `2^(e−128)`).
     pub d: f32,
     /// Second f16 field: `m` (Q4_1, Q5_1) or `dmin` (Q2_K, Q4_K, Q5_K); 0 otherwise.
     pub m: f32,
@@ -34,7 +35,7 @@ pub(crate) struct IntBlock {
 pub(crate) fn sub_len(format: Format) -> usize {
     match format {
         Format::Q2_K | Format::Q3_K | Format::Q6_K => 16,
-        Format::Q4_K | Format::Q5_K => 32,
+        Format::Q4_K | Format::Q5_K | Format::IQ2_XXS => 32,
         _ => format.block_len(),
     }
 }
@@ -191,6 +192,30 @@ pub(crate) fn decode(format: Format, b: &[u8]) -> IntBlock {
                     ib.codes[base + 64] = q3 as i8 - 32;
                     ib.codes[base + 96] = q4 as i8 - 32;
                 }
+            }
+        }
+        Format::IQ2_XXS => {
+            // ggml: w = d·(0.5 + s)·0.25·grid·sign = (d/8)·(2s + 1)·(grid·sign).
+            ib.d = f16_at(b, 0) * 0.125;
+            for g in 0..8 {
+                let idx = u32_at(b, 2 + 8 * g);
+                let aux = u32_at(b, 6 + 8 * g);
+                ib.sc[g] = 2 * (aux >> 28) as i32 + 1;
+                for l in 0..4 {
+                    let grid = IQ2XXS_GRID[((idx >> (8 * l)) & 0xFF) as usize].to_le_bytes();
+                    let signs = ksigns(((aux >> (7 * l)) & 127) as usize);
+                    for (j, &v) in grid.iter().enumerate() {
+                        let v = v as i8;
+                        ib.codes[32 * g + 8 * l + j] = if signs & (1 << j) != 0 { -v } else { v };
+                    }
+                }
+            }
+        }
+        Format::MXFP4 => {
+            ib.d = e8m0_to_f32_half(b[0]);
+            for (j, &q) in b[1..17].iter().enumerate() {
+                ib.codes[j] = KVALUES_MXFP4[usize::from(q & 0xF)];
+                ib.codes[j + 16] = KVALUES_MXFP4[usize::from(q >> 4)];
             }
         }
         Format::F32 | Format::F16 | Format::BF16 => {}

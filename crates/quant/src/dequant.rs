@@ -6,7 +6,9 @@ use crate::{Format, QuantError};
 /// Dequantize one row: `bytes` holds whole blocks, `out` receives `out.len()` weights.
 ///
 /// The arithmetic follows ggml's `dequantize_row_*` without contraction: legacy
-/// `code·d` or `code·d + m`; k-quants `(d·sc)·code − (dmin·mn)`.
+/// `code·d` or `code·d + m`; k-quants `(d·sc)·code − (dmin·mn)`; MXFP4 `kvalue·2^(e−128)`;
+/// IQ2_XXS `((d/8)·(2s+1))·(grid·sign)`, which equals ggml's `d·(0.5+s)·0.25·grid·sign`
+/// bit for bit (every step is exact: an 11-bit significand times at most 5 + 6 more bits).
 pub fn dequantize_row(format: Format, bytes: &[u8], out: &mut [f32]) -> Result<(), QuantError> {
     let expected = format.row_bytes(out.len())?;
     if bytes.len() != expected {
@@ -36,7 +38,7 @@ pub fn dequantize_row(format: Format, bytes: &[u8], out: &mut [f32]) -> Result<(
 pub(crate) fn dequantize_block(format: Format, ib: &IntBlock, ys: &mut [f32]) {
     let sl = sub_len(format);
     match format {
-        Format::Q4_0 | Format::Q5_0 | Format::Q8_0 => {
+        Format::Q4_0 | Format::Q5_0 | Format::Q8_0 | Format::MXFP4 => {
             for (y, &c) in ys.iter_mut().zip(&ib.codes) {
                 *y = f32::from(c) * ib.d;
             }

@@ -38,6 +38,13 @@ pub enum Format {
     Q5_K,
     /// 256 weights: 128 bytes low nibbles, 64 bytes of high 2-bit pairs, 16 signed scales, f16 `d`.
     Q6_K,
+    /// 256 weights: f16 `d`, then 8 groups of 32 as two u32 each: four 8-bit grid indices
+    /// (`iq2xxs_grid`, 8 magnitudes each), then four 7-bit sign indices (`ksigns_iq2xs`)
+    /// and a 4-bit scale `s` in the top bits; `w = d·(0.5 + s)·0.25·grid·sign`.
+    IQ2_XXS,
+    /// 32 weights: one E8M0 exponent byte `e`, 16 bytes of 4-bit E2M1 codes (low nibbles
+    /// are weights 0..16, high nibbles 16..32); `w = kvalues_mxfp4[q]·2^(e−128)`.
+    MXFP4,
 }
 
 /// How the activations that feed a weight format are represented.
@@ -45,9 +52,10 @@ pub enum Format {
 pub enum ActLayout {
     /// Float weights take the f32 activations unquantized.
     Float,
-    /// Legacy formats: int8 codes in blocks of 32 with an f32 scale and a code sum.
+    /// Legacy formats and MXFP4: int8 codes in blocks of 32 with an f32 scale and a code sum.
     Blocks32,
-    /// k-quants: int8 codes in blocks of 256 with an f32 scale and code sums per 16 and per 32.
+    /// k-quants and IQ2_XXS: int8 codes in blocks of 256 with an f32 scale and code sums
+    /// per 16 and per 32.
     Blocks256,
 }
 
@@ -64,7 +72,7 @@ impl ActLayout {
 
 impl Format {
     /// Every supported format, in ggml type-id order.
-    pub const ALL: [Format; 13] = [
+    pub const ALL: [Format; 15] = [
         Format::F32,
         Format::F16,
         Format::Q4_0,
@@ -77,7 +85,9 @@ impl Format {
         Format::Q4_K,
         Format::Q5_K,
         Format::Q6_K,
+        Format::IQ2_XXS,
         Format::BF16,
+        Format::MXFP4,
     ];
 
     /// The `ggml_type` enum value of this format (as stored in GGUF tensor tables).
@@ -95,7 +105,9 @@ impl Format {
             Format::Q4_K => 12,
             Format::Q5_K => 13,
             Format::Q6_K => 14,
+            Format::IQ2_XXS => 16,
             Format::BF16 => 30,
+            Format::MXFP4 => 39,
         }
     }
 
@@ -120,6 +132,8 @@ impl Format {
             Format::Q4_K => "q4_K",
             Format::Q5_K => "q5_K",
             Format::Q6_K => "q6_K",
+            Format::IQ2_XXS => "iq2_xxs",
+            Format::MXFP4 => "mxfp4",
         }
     }
 
@@ -127,8 +141,18 @@ impl Format {
     pub fn block_len(self) -> usize {
         match self {
             Format::F32 | Format::F16 | Format::BF16 => 1,
-            Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::Q8_0 => QK_LEGACY,
-            Format::Q2_K | Format::Q3_K | Format::Q4_K | Format::Q5_K | Format::Q6_K => QK_K,
+            Format::Q4_0
+            | Format::Q4_1
+            | Format::Q5_0
+            | Format::Q5_1
+            | Format::Q8_0
+            | Format::MXFP4 => QK_LEGACY,
+            Format::Q2_K
+            | Format::Q3_K
+            | Format::Q4_K
+            | Format::Q5_K
+            | Format::Q6_K
+            | Format::IQ2_XXS => QK_K,
         }
     }
 
@@ -147,6 +171,8 @@ impl Format {
             Format::Q4_K => 144,
             Format::Q5_K => 176,
             Format::Q6_K => 210,
+            Format::IQ2_XXS => 66,
+            Format::MXFP4 => 17,
         }
     }
 

@@ -2,12 +2,12 @@
 //! AVX-512).
 //!
 //! This crate knows the ggml block formats (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-//! Q2_K–Q6_K) byte for byte, but nothing of GGUF files: it takes byte slices and a
-//! [`Format`]. Every dot product follows the canonical order of ARCHITECTURE.md ("Numerics:
-//! the canonical order"): activations quantized per block by one quantizer, an exact
-//! integer sum inside each weight block, then f32 fused multiply-adds across blocks in block
-//! order. The SIMD paths vectorise across output rows and are bit-identical to the scalar
-//! reference.
+//! Q2_K–Q6_K, IQ2_XXS, MXFP4) byte for byte, but nothing of GGUF files: it takes byte
+//! slices and a [`Format`]. Every dot product follows the canonical order of
+//! ARCHITECTURE.md ("Numerics: the canonical order"): activations quantized per block by
+//! one quantizer, an exact integer sum inside each weight block, then f32 fused
+//! multiply-adds across blocks in block order. The SIMD paths vectorise across output
+//! rows and are bit-identical to the scalar reference.
 //!
 //! ```
 //! use lockstep_quant::{kernels, quantize_row, Format, PackedMatrix, QuantizedActs};
@@ -43,6 +43,7 @@ mod kernels;
 mod packed;
 mod quantize;
 mod scalar;
+mod tables;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -1,6 +1,7 @@
 //! Simple reference quantizers for weights (round-to-nearest with per-block scales; not
 //! ggml's error-minimising search). Used to build test blocks and synthetic models.
 
+use crate::tables::{IQ2XXS_GRID, KVALUES_MXFP4, e8m0_to_f32_half};
 use crate::{Format, QuantError};
 use half::{bf16, f16};
 
@@ -88,6 +89,8 @@ fn quantize_block(format: Format, x: &[f32], out: &mut Vec<u8>) {
         Format::Q3_K => quantize_q3_k(x, out),
         Format::Q4_K | Format::Q5_K => quantize_q45_k(format == Format::Q5_K, x, out),
         Format::Q6_K => quantize_q6_k(x, out),
+        Format::IQ2_XXS => quantize_iq2_xxs(x, out),
+        Format::MXFP4 => quantize_mxfp4(x, out),
         Format::F32 | Format::F16 | Format::BF16 => {}
     }
 }
@@ -267,4 +270,79 @@ fn quantize_q6_k(x: &[f32], out: &mut Vec<u8>) {
     out.extend_from_slice(&qh);
     out.extend(scq.iter().map(|&s| s as u8));
     put_f16(out, d);
+}
+
+/// IQ2_XXS by plain search: per 32-group a scale from its largest magnitude, per 8 weights
+/// the grid entry nearest to the magnitudes (least squares, first index on ties) and the
+/// signs of the inputs, the smallest-magnitude sign flipped when needed for even parity.
+fn quantize_iq2_xxs(x: &[f32], out: &mut Vec<u8>) {
+    let subs: Vec<f32> = x
+        .chunks_exact(32)
+        .map(|s| s.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 43.0)
+        .collect();
+    let big = subs.iter().fold(0.0f32, |m, &s| m.max(s));
+    let d = put_f16(out, big / 31.0 * 8.0);
+    let unit = d * 0.125;
+    for (g, sub) in x.chunks_exact(32).enumerate() {
+        let s = ((subs[g] * inv(unit) - 1.0) / 2.0)
+            .round_ties_even()
+            .clamp(0.0, 15.0) as u32;
+        let dl = unit * (2 * s + 1) as f32;
+        let mut idx = 0u32;
+        let mut aux = s << 28;
+        for (l, grp) in sub.chunks_exact(8).enumerate() {
+            let mut best = (f32::INFINITY, 0usize);
+            for (i, &e) in IQ2XXS_GRID.iter().enumerate() {
+                let err: f32 = e
+                    .to_le_bytes()
+                    .iter()
+                    .zip(grp)
+                    .map(|(&gv, &v)| (dl * f32::from(gv) - v.abs()).powi(2))
+                    .sum();
+                if err < best.0 {
+                    best = (err, i);
+                }
+            }
+            let mut signs = grp
+                .iter()
+                .enumerate()
+                .fold(0u32, |m, (j, &v)| m | (u32::from(v < 0.0) << j));
+            if signs.count_ones() % 2 == 1 {
+                let smallest = (0..8)
+                    .min_by(|&a, &b| grp[a].abs().total_cmp(&grp[b].abs()))
+                    .unwrap_or(0);
+                signs ^= 1 << smallest;
+            }
+            idx |= (best.1 as u32) << (8 * l);
+            aux |= (signs & 127) << (7 * l);
+        }
+        out.extend_from_slice(&idx.to_le_bytes());
+        out.extend_from_slice(&aux.to_le_bytes());
+    }
+}
+
+/// MXFP4 as gguf-py quantizes it: `e = floor(log2(amax)) − 2 + 127` (0 for an all-zero
+/// block), then for each weight the nearest of the 16 values `kvalue·2^(e−128)`.
+fn quantize_mxfp4(x: &[f32], out: &mut Vec<u8>) {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let e = if amax > 0.0 && amax.is_finite() {
+        (amax.log2().floor() as i32 + 125).clamp(0, 254) as u8
+    } else {
+        0
+    };
+    let d = e8m0_to_f32_half(e);
+    let code = |v: f32| {
+        let mut best = (f32::INFINITY, 0u8);
+        for (i, &k) in KVALUES_MXFP4.iter().enumerate() {
+            let err = (d * f32::from(k) - v).abs();
+            if err < best.0 {
+                best = (err, i as u8);
+            }
+        }
+        best.1
+    };
+    out.push(e);
+    for j in 0..16 {
+        out.push(code(x[j]) | (code(x[j + 16]) << 4));
+    }
 }

@@ -42,7 +42,7 @@ pub(crate) fn dot_blocks(
         let ib = block(b);
         let a = &qs[b * bl..(b + 1) * bl];
         match format {
-            Format::Q4_0 | Format::Q5_0 | Format::Q8_0 => {
+            Format::Q4_0 | Format::Q5_0 | Format::Q8_0 | Format::MXFP4 => {
                 let isum = int_dot(&ib.codes[..bl], a);
                 acc = (ib.d * da).mul_add(isum as f32, acc);
             }

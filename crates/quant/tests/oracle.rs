@@ -38,12 +38,12 @@ fn f16_bytes(x: f32) -> [u8; 2] {
 /// Offsets of the f16 fields of each quantized format's block.
 fn f16_fields(format: Format) -> &'static [usize] {
     match format {
-        Format::Q4_0 | Format::Q5_0 | Format::Q8_0 => &[0],
+        Format::Q4_0 | Format::Q5_0 | Format::Q8_0 | Format::IQ2_XXS => &[0],
         Format::Q4_1 | Format::Q5_1 | Format::Q4_K | Format::Q5_K => &[0, 2],
         Format::Q2_K => &[80, 82],
         Format::Q3_K => &[108],
         Format::Q6_K => &[208],
-        Format::F32 | Format::F16 | Format::BF16 => &[],
+        Format::F32 | Format::F16 | Format::BF16 | Format::MXFP4 => &[],
     }
 }
 
@@ -66,6 +66,10 @@ fn random_row(format: Format, k: usize, rng: &mut Rng) -> Vec<u8> {
         for &off in f16_fields(format) {
             let v = rng.unit() * 0.05 + if rng.below(2) == 0 { 0.001 } else { -0.001 };
             blk[off..off + 2].copy_from_slice(&f16_bytes(v));
+        }
+        if format == Format::MXFP4 {
+            // E8M0 scales 2^-20 … 2^-1 (hostile exponents: tests/iq2_mxfp4.rs).
+            blk[0] = 107 + rng.below(20) as u8;
         }
     }
     row
@@ -124,13 +128,15 @@ fn ggml_type_ids_round_trip_and_match_ggml() {
         (Format::Q4_K, 12),
         (Format::Q5_K, 13),
         (Format::Q6_K, 14),
+        (Format::IQ2_XXS, 16),
         (Format::BF16, 30),
+        (Format::MXFP4, 39),
     ];
     for (f, id) in expected {
         assert_eq!(f.ggml_type_id(), id);
         assert_eq!(Format::from_ggml_type_id(id), Some(f));
     }
-    for unsupported in [4, 5, 9, 15, 16, 29, 31, 1000] {
+    for unsupported in [4, 5, 9, 15, 17, 29, 31, 38, 40, 1000] {
         assert_eq!(Format::from_ggml_type_id(unsupported), None);
     }
     let sizes = [
@@ -144,6 +150,8 @@ fn ggml_type_ids_round_trip_and_match_ggml() {
         (Format::Q4_K, 144),
         (Format::Q5_K, 176),
         (Format::Q6_K, 210),
+        (Format::IQ2_XXS, 66),
+        (Format::MXFP4, 17),
     ];
     for (f, b) in sizes {
         assert_eq!(f.block_bytes(), b, "{f}");
@@ -670,6 +678,9 @@ fn reference_quantizer_round_trips_within_format_precision() {
             Format::Q4_0 | Format::Q4_1 | Format::Q4_K => 0.08,
             Format::Q3_K => 0.2,
             Format::Q2_K => 0.35,
+            Format::MXFP4 => 0.12,
+            // 256 grid points for 3^8 magnitude patterns: a coarse format by design.
+            Format::IQ2_XXS => 0.4,
         };
         assert!(rms <= limit, "{format}: rms error {rms} > {limit}");
     }

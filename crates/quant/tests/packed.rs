@@ -30,12 +30,12 @@ impl Rng {
 /// Offsets of the f16 fields of each quantized format's block.
 fn f16_fields(format: Format) -> &'static [usize] {
     match format {
-        Format::Q4_0 | Format::Q5_0 | Format::Q8_0 => &[0],
+        Format::Q4_0 | Format::Q5_0 | Format::Q8_0 | Format::IQ2_XXS => &[0],
         Format::Q4_1 | Format::Q5_1 | Format::Q4_K | Format::Q5_K => &[0, 2],
         Format::Q2_K => &[80, 82],
         Format::Q3_K => &[108],
         Format::Q6_K => &[208],
-        Format::F32 | Format::F16 | Format::BF16 => &[],
+        Format::F32 | Format::F16 | Format::BF16 | Format::MXFP4 => &[],
     }
 }
 
@@ -56,6 +56,9 @@ fn random_matrix(format: Format, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
             for &off in f16_fields(format) {
                 let v = rng.unit() * 0.05 + if rng.below(2) == 0 { 0.001 } else { -0.001 };
                 blk[off..off + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+            }
+            if format == Format::MXFP4 {
+                blk[0] = 107 + rng.below(20) as u8; // E8M0 scales 2^-20 … 2^-1
             }
         }
         out.extend(row);

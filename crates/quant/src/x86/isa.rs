@@ -43,6 +43,9 @@ pub(crate) trait Isa {
     unsafe fn bf16_hi(v: Self::I) -> Self::F;
     /// The lanes as f32 bit patterns.
     unsafe fn as_f32(v: Self::I) -> Self::F;
+    /// Decode the low byte of each lane as an E8M0 exponent, halved (ggml
+    /// `GGML_E8M0_TO_FP32_HALF`: `2^(e−128)` from bits, subnormal for e < 2).
+    unsafe fn e8m0_half(v: Self::I) -> Self::F;
     /// Row offsets (first NR used).
     unsafe fn load_idx(idx: &[i32; 16]) -> Self::I;
     /// All lanes `x`.
@@ -184,6 +187,17 @@ impl Isa for Avx2 {
         unsafe { _mm256_castsi256_ps(v) }
     }
     #[inline(always)]
+    unsafe fn e8m0_half(v: __m256i) -> __m256 {
+        // SAFETY: register operations.
+        unsafe {
+            let e = _mm256_and_si256(v, _mm256_set1_epi32(0xFF));
+            let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+            let sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+            let is_normal = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1));
+            _mm256_castsi256_ps(_mm256_blendv_epi8(sub, normal, is_normal))
+        }
+    }
+    #[inline(always)]
     unsafe fn load_idx(idx: &[i32; 16]) -> __m256i {
         // SAFETY: reads 8 i32 from a 16-element array.
         unsafe { _mm256_loadu_si256(idx.as_ptr() as *const __m256i) }
@@ -305,6 +319,17 @@ impl Isa for Avx512 {
     unsafe fn as_f32(v: __m512i) -> __m512 {
         // SAFETY: register operations.
         unsafe { _mm512_castsi512_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn e8m0_half(v: __m512i) -> __m512 {
+        // SAFETY: register operations.
+        unsafe {
+            let e = _mm512_and_si512(v, _mm512_set1_epi32(0xFF));
+            let normal = _mm512_slli_epi32::<23>(_mm512_sub_epi32(e, _mm512_set1_epi32(1)));
+            let sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x0020_0000), e);
+            let is_normal = _mm512_cmpgt_epi32_mask(e, _mm512_set1_epi32(1));
+            _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_normal, sub, normal))
+        }
     }
     #[inline(always)]
     unsafe fn load_idx(idx: &[i32; 16]) -> __m512i {

@@ -82,6 +82,8 @@ macro_rules! dispatcher {
                     Format::Q4_K => matmul_q::<$isa, qfmt::Q4K>(job),
                     Format::Q5_K => matmul_q::<$isa, qfmt::Q5K>(job),
                     Format::Q6_K => matmul_q::<$isa, qfmt::Q6K>(job),
+                    Format::IQ2_XXS => matmul_q::<$isa, qfmt::Iq2Xxs>(job),
+                    Format::MXFP4 => matmul_q::<$isa, qfmt::Mxfp4>(job),
                     Format::F32 | Format::F16 | Format::BF16 => matmul_f::<$isa>(format, job),
                 }
             }
@@ -161,7 +163,7 @@ unsafe fn matmul_q<I: Isa, F: QFmt>(job: &mut Job<'_>) {
                             (ptrs[r].add(b * F::BB + F::GATHER_OFF) as *const i32).read_unaligned();
                     }
                     let g = I::load_idx(&gs);
-                    let dw = if F::D_HI { I::f16_hi(g) } else { I::f16_lo(g) };
+                    let dw = F::scale::<I>(g);
                     let dav = I::splat(da);
                     acc = I::fma(I::mul(dw, dav), I::to_f32(isum), acc);
                     match F::MINS {

@@ -22,6 +22,8 @@ const MR: usize = 6;
 const MR_AVX2: usize = 4;
 /// Bytes of activation codes kept hot while a block of M rows walks all weight tiles.
 const ACT_BUDGET: usize = 384 * 1024;
+/// Bytes of weight tiles one group of passes over the M rows works on (kept in L2).
+const WEIGHT_BUDGET: usize = 128 * 1024;
 
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
@@ -602,9 +604,22 @@ unsafe fn run<P: Pk, const R: usize, const FMT: u8>(
     let k = acts.k;
     let nb = k / acts.layout.block_len();
     let lay = c.layout;
-    for t in tiles {
+    for t in tiles.clone() {
         // SAFETY: t < number of tiles (the caller derives `tiles` from a validated range).
         let base = unsafe { c.tiles.add(t * lay.tile) };
+        if ms.len() <= MR && t + 1 < tiles.end {
+            // Ask for the next tile while this one computes: with several activation rows
+            // a tile takes long enough that the hardware prefetcher alone lets the memory
+            // stream stall.
+            let next = base.wrapping_add(lay.tile);
+            let mut off = 0;
+            while off < lay.tile {
+                // SAFETY: a prefetch is only a hint; it never faults, and the address lies
+                // inside the next tile of the same buffer.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off) as *const i8) };
+                off += 64;
+            }
+        }
         let lanes =
             c.n_range.start.max(t * TILE) - t * TILE..c.n_range.end.min((t + 1) * TILE) - t * TILE;
         let mut m = ms.start;
@@ -758,19 +773,28 @@ pub(crate) unsafe fn matmul_packed(
     let mr = if avx512 { MR } else { MR_AVX2 };
     let m_total = acts.m;
     let chunk = (ACT_BUDGET / acts.k).max(mr);
+    // Tiles are walked in groups small enough to stay in L2, and every pass over the M
+    // rows (full MR-row passes, then the rest) runs on one group before the next: weights
+    // stream from memory once whatever M is (M = 7 used to read them twice).
+    let group = (WEIGHT_BUDGET / layout.tile).max(1);
     let mut m0 = 0;
     while m0 < m_total {
         let m1 = (m0 + chunk).min(m_total);
         let full = (m1 - m0) / mr * mr;
-        // SAFETY: forwarded contract; ranges inside 0..M and the matrix's tiles.
-        unsafe {
-            if full > 0 {
-                entries[mr - 1](&call, tiles.clone(), m0..m0 + full);
+        let rest = m1 - m0 - full;
+        let mut t0 = tiles.start;
+        while t0 < tiles.end {
+            let t1 = (t0 + group).min(tiles.end);
+            // SAFETY: forwarded contract; ranges inside 0..M and the matrix's tiles.
+            unsafe {
+                if full > 0 {
+                    entries[mr - 1](&call, t0..t1, m0..m0 + full);
+                }
+                if rest > 0 {
+                    entries[rest - 1](&call, t0..t1, m0 + full..m1);
+                }
             }
-            let rest = m1 - m0 - full;
-            if rest > 0 {
-                entries[rest - 1](&call, tiles.clone(), m0 + full..m1);
-            }
+            t0 = t1;
         }
         m0 = m1;
     }

@@ -4,6 +4,7 @@
 //! i32 lane (a lane never spans two sub-blocks).
 
 use super::isa::{Isa, reduce8};
+use crate::tables::{IQ2XXS_GRID, KSIGNS64};
 use std::arch::x86_64::*;
 
 /// One activation block, as pointers into a `QuantizedActs` row.
@@ -40,8 +41,21 @@ pub(crate) trait QFmt {
     const D_HI: bool;
     /// Kind of minimum term (its f16 is the high half of the gathered 4 bytes).
     const MINS: Mins;
-    /// Offset to subtract times the activation block sum (legacy formats).
+    /// Offset to subtract times the activation block sum (legacy formats, MXFP4).
     fn act_offset<I: Isa>() -> i32;
+    /// The f32 weight scale of each row from the 4 bytes read at `GATHER_OFF` (one lane per
+    /// row): the f16 `d` by default.
+    #[inline(always)]
+    unsafe fn scale<I: Isa>(g: I::I) -> I::F {
+        // SAFETY: register operations.
+        unsafe {
+            if Self::D_HI {
+                I::f16_hi(g)
+            } else {
+                I::f16_lo(g)
+            }
+        }
+    }
     /// (isum partials, msum partials) of the block at `w`.
     unsafe fn parts<I: Isa>(w: *const u8, a: &ActBlock) -> (__m256i, __m256i);
 }
@@ -460,6 +474,85 @@ impl QFmt for Q6K {
             let corr = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), load256(a.s16 as *const u8));
             parts = _mm256_sub_epi32(parts, _mm256_slli_epi32::<5>(corr));
             (parts, _mm256_setzero_si256())
+        }
+    }
+}
+
+/// IQ2_XXS: `w = (d/8)·(2s_j + 1)·(grid·sign)`, 8 groups of 32, grid magnitudes 8..43.
+/// The signs go onto the activation codes (|a| ≤ 127, so negation is exact), the unsigned
+/// grid bytes are the `u` of the unsigned×signed product.
+pub(crate) struct Iq2Xxs;
+impl QFmt for Iq2Xxs {
+    const BB: usize = 66;
+    const GATHER_OFF: usize = 0;
+    const D_HI: bool = false;
+    const MINS: Mins = Mins::None;
+    #[inline(always)]
+    fn act_offset<I: Isa>() -> i32 {
+        0
+    }
+    #[inline(always)]
+    unsafe fn scale<I: Isa>(g: I::I) -> I::F {
+        // SAFETY: register operations. d/8 is exact (an f16 times a power of two).
+        unsafe { I::mul(I::f16_lo(g), I::splat(0.125)) }
+    }
+    #[inline(always)]
+    unsafe fn parts<I: Isa>(w: *const u8, a: &ActBlock) -> (__m256i, __m256i) {
+        // SAFETY: w is one whole 66-byte block; a has 256 codes.
+        unsafe {
+            let mut ps = [_mm256_setzero_si256(); 8];
+            let mut ls = [0i32; 8];
+            for (g, p) in ps.iter_mut().enumerate() {
+                let idx = u32_at_ptr(w.add(2 + 8 * g));
+                let aux = u32_at_ptr(w.add(6 + 8 * g));
+                ls[g] = 2 * (aux >> 28) as i32 + 1;
+                let grid = |l: u32| IQ2XXS_GRID[((idx >> (8 * l)) & 0xFF) as usize] as i64;
+                let sign = |l: u32| KSIGNS64[((aux >> (7 * l)) & 127) as usize] as i64;
+                let u = _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3));
+                let sm = _mm256_setr_epi64x(sign(0), sign(1), sign(2), sign(3));
+                let av = load256(a.qs.add(32 * g) as *const u8);
+                // (a ^ m) − m negates the bytes where m = 0xFF.
+                let sa = _mm256_sub_epi8(_mm256_xor_si256(av, sm), sm);
+                *p = I::dot_u8(_mm256_setzero_si256(), u, sa);
+            }
+            let lsv = _mm256_loadu_si256(ls.as_ptr() as *const __m256i);
+            // Lane g = sum of group g; one multiply by the 8 group scales.
+            (
+                _mm256_mullo_epi32(reduce8(&ps), lsv),
+                _mm256_setzero_si256(),
+            )
+        }
+    }
+}
+
+/// MXFP4: `w = kvalue[q]·2^(e−128)`. The codes map through a byte shuffle to
+/// `kvalue + 12` (0..24, unsigned); the offset is removed with the activation block sum.
+pub(crate) struct Mxfp4;
+impl QFmt for Mxfp4 {
+    const BB: usize = 17;
+    const GATHER_OFF: usize = 0;
+    const D_HI: bool = false;
+    const MINS: Mins = Mins::None;
+    #[inline(always)]
+    fn act_offset<I: Isa>() -> i32 {
+        12
+    }
+    #[inline(always)]
+    unsafe fn scale<I: Isa>(g: I::I) -> I::F {
+        // SAFETY: register operations; the E8M0 byte is the low byte of each lane.
+        unsafe { I::e8m0_half(g) }
+    }
+    #[inline(always)]
+    unsafe fn parts<I: Isa>(w: *const u8, a: &ActBlock) -> (__m256i, __m256i) {
+        // SAFETY: w is one whole 17-byte block, a.qs has 32 codes.
+        unsafe {
+            let lut = _mm256_setr_epi8(
+                12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18,
+                20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+            );
+            let u = _mm256_shuffle_epi8(lut, nibbles32(w.add(1)));
+            let p = I::dot_u8(_mm256_setzero_si256(), u, load256(a.qs as *const u8));
+            (p, _mm256_setzero_si256())
         }
     }
 }
