@@ -1,6 +1,15 @@
 //! n-gram / prompt lookup: find the most recent earlier occurrence of the last `n` tokens
 //! (n from `max_n` down to 1) in prompt + output and propose what followed it. Free to
 //! run and strong on structured payloads, code edits and anything that repeats the prompt.
+//!
+//! Beside the lookup it keeps a **prompt cursor**: the prompt position just after the last
+//! accepted span that was copied from the prompt. Extraction under a grammar (CSV to JSON,
+//! filling a schema from a document) copies the prompt's values in order while the grammar
+//! supplies the syntax between them; the syntax never occurs in the prompt, so a lookup
+//! keyed on it finds the previous record's value, while the cursor points at the next one.
+//! Under a constraint the cursor is tried first, skipping up to [`CURSOR_SKIP`] prompt
+//! tokens the grammar rejects there (separators such as `,` or a newline); without one it
+//! is the fallback when the lookup finds nothing.
 
 use crate::drafter::{DraftContext, DraftProposal, Drafter, DrafterKind, Mirror};
 
@@ -20,10 +29,30 @@ impl Default for NgramConfig {
     }
 }
 
+/// Prompt tokens the cursor may skip to reach one the grammar accepts.
+pub const CURSOR_SKIP: usize = 4;
+/// How far ahead of the cursor the last committed token is looked for, to re-align the
+/// cursor after tokens the target produced itself.
+pub const CURSOR_SYNC: usize = 16;
+
+/// A copy proposed this cycle: drafts at `base..` were copied from `src..` (`len` tokens)
+/// while the prompt was `prompt_len` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Copy {
+    src: usize,
+    base: usize,
+    len: usize,
+    prompt_len: usize,
+}
+
 /// The n-gram / prompt-lookup drafter.
 #[derive(Clone, Debug, Default)]
 pub struct NgramDrafter {
     cfg: NgramConfig,
+    /// Prompt position after the last accepted span copied from the prompt.
+    cursor: Option<usize>,
+    /// Copies proposed since the last `observe`.
+    pending: Vec<Copy>,
 }
 
 impl NgramDrafter {
@@ -35,7 +64,84 @@ impl NgramDrafter {
                 max_n,
                 min_n: cfg.min_n.clamp(1, max_n),
             },
+            cursor: None,
+            pending: Vec::new(),
         }
+    }
+
+    /// The prompt cursor, if a span copied from the prompt has been accepted.
+    pub fn cursor(&self) -> Option<usize> {
+        self.cursor
+    }
+
+    /// Copies `tokens[src..limit]` (running into the drafts for periodic text) while the
+    /// mirror accepts, at most `k` tokens; records the copy for `observe`.
+    fn copy_from(
+        &mut self,
+        ctx: &DraftContext<'_>,
+        mirror: &mut Mirror<'_>,
+        src: usize,
+        k: usize,
+        limit: usize,
+    ) -> DraftProposal {
+        let mut out = DraftProposal::default();
+        let at = |i: usize, drafts: &[u32]| -> Option<u32> {
+            if i < ctx.tokens.len() {
+                Some(ctx.tokens[i])
+            } else {
+                drafts.get(i - ctx.tokens.len()).copied()
+            }
+        };
+        let mut i = src;
+        while out.tokens.len() < k && i < limit {
+            let Some(t) = at(i, &out.tokens) else { break };
+            if !mirror.try_push(t) {
+                break;
+            }
+            out.tokens.push(t);
+            i += 1;
+            if ctx.ends(t) {
+                break;
+            }
+        }
+        if !out.tokens.is_empty() {
+            out.source = Some(DrafterKind::Ngram);
+            self.pending.push(Copy {
+                src,
+                base: ctx.tokens.len(),
+                len: out.tokens.len(),
+                prompt_len: ctx.prompt_len,
+            });
+        }
+        out
+    }
+
+    /// A proposal from the prompt cursor: the first of the next [`CURSOR_SKIP`] + 1 prompt
+    /// tokens the mirror accepts, and what follows it.
+    fn from_cursor(
+        &mut self,
+        ctx: &DraftContext<'_>,
+        mirror: &mut Mirror<'_>,
+        k: usize,
+    ) -> DraftProposal {
+        let Some(mut c) = self.cursor else {
+            return DraftProposal::default();
+        };
+        let end = ctx.prompt_len.min(ctx.tokens.len());
+        // Tokens the target chose itself may already have copied past the cursor (a bonus
+        // token, a plain step): if the last token occurs within the next CURSOR_SYNC
+        // prompt tokens, continue after its nearest occurrence.
+        if let Some(&last) = ctx.tokens.last()
+            && let Some(p) = (c..(c + CURSOR_SYNC).min(end)).find(|&p| ctx.tokens[p] == last)
+        {
+            c = p + 1;
+        }
+        for start in c..(c + CURSOR_SKIP + 1).min(end) {
+            if mirror.accepts(ctx.tokens[start]) {
+                return self.copy_from(ctx, mirror, start, k, end);
+            }
+        }
+        DraftProposal::default()
     }
 }
 
@@ -67,38 +173,46 @@ impl Drafter for NgramDrafter {
     }
 
     fn propose(&mut self, ctx: &DraftContext<'_>, mirror: &mut Mirror<'_>) -> DraftProposal {
-        let mut out = DraftProposal::default();
         let k = ctx.max_draft.min(ctx.max_tokens);
         if k == 0 {
-            return out;
+            return DraftProposal::default();
         }
-        let Some((_, start)) = find_match(ctx.tokens, self.cfg.max_n, self.cfg.min_n) else {
-            return out;
-        };
-        // The continuation may run into the drafts themselves (periodic text).
-        let at = |i: usize, drafts: &[u32]| -> Option<u32> {
-            if i < ctx.tokens.len() {
-                Some(ctx.tokens[i])
-            } else {
-                drafts.get(i - ctx.tokens.len()).copied()
-            }
-        };
-        let mut i = start;
-        while out.tokens.len() < k {
-            let Some(t) = at(i, &out.tokens) else { break };
-            if !mirror.try_push(t) {
-                break;
-            }
-            out.tokens.push(t);
-            i += 1;
-            if ctx.ends(t) {
-                break;
+        let constrained = mirror.is_constrained();
+        if constrained {
+            let p = self.from_cursor(ctx, mirror, k);
+            if !p.is_empty() {
+                return p;
             }
         }
-        if !out.tokens.is_empty() {
-            out.source = Some(DrafterKind::Ngram);
+        if let Some((_, start)) = find_match(ctx.tokens, self.cfg.max_n, self.cfg.min_n) {
+            let p = self.copy_from(ctx, mirror, start, k, usize::MAX);
+            if !p.is_empty() || constrained {
+                return p;
+            }
         }
-        out
+        if constrained {
+            DraftProposal::default()
+        } else {
+            self.from_cursor(ctx, mirror, k)
+        }
+    }
+
+    fn observe(&mut self, committed: &[u32]) {
+        // Where a copy from the prompt was (partly) accepted, the cursor moves to just
+        // after the accepted part. Copies from the output leave it alone.
+        for c in std::mem::take(&mut self.pending) {
+            let mut j = 0;
+            while j < c.len
+                && c.base + j < committed.len()
+                && c.src + j < c.base
+                && committed[c.base + j] == committed[c.src + j]
+            {
+                j += 1;
+            }
+            if j > 0 && c.src < c.prompt_len {
+                self.cursor = Some(c.src + j);
+            }
+        }
     }
 }
 
@@ -156,5 +270,120 @@ mod tests {
         let prop =
             NgramDrafter::default().propose(&ctx(&t, &p, &never), &mut Mirror::unconstrained());
         assert_eq!(prop.tokens, vec![99]);
+    }
+}
+
+#[cfg(test)]
+mod cursor_tests {
+    use super::*;
+    use crate::drafter::DraftMirror;
+    use sampling::{SamplingParams, TokenMask};
+
+    /// A grammar stand-in: rejects the "separator" ids (≥ 100) and accepts the rest.
+    struct NoSeparators;
+
+    impl DraftMirror for NoSeparators {
+        fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
+            let _ = mask;
+            Ok(())
+        }
+        fn accepts(&mut self, token: u32) -> bool {
+            token < 100
+        }
+        fn consume(&mut self, token: u32) -> Result<(), String> {
+            if token < 100 {
+                Ok(())
+            } else {
+                Err("rejected".into())
+            }
+        }
+        fn is_finished(&self) -> bool {
+            false
+        }
+        fn forced_tokens(&mut self) -> Vec<u32> {
+            Vec::new()
+        }
+    }
+
+    fn ctx<'a>(
+        tokens: &'a [u32],
+        prompt_len: usize,
+        p: &'a SamplingParams,
+        never: &'a TokenMask,
+    ) -> DraftContext<'a> {
+        DraftContext {
+            tokens,
+            prompt_len,
+            params: p,
+            never,
+            max_tokens: 8,
+            max_draft: 8,
+            allow_costly: true,
+            bars: &[],
+            eos_ends: true,
+            eos: &[99],
+        }
+    }
+
+    #[test]
+    fn the_cursor_follows_the_prompt_past_separators_after_an_accepted_copy() {
+        let p = SamplingParams::greedy();
+        let never = TokenMask::new(0);
+        // Prompt: "a b , c d , e" as 1 2 100 3 4 100 5; output so far: 50 1.
+        let prompt = [1u32, 2, 100, 3, 4, 100, 5];
+        let mut toks: Vec<u32> = prompt.to_vec();
+        toks.extend([50, 1]);
+        let mut d = NgramDrafter::new(NgramConfig::default());
+        let mut g = NoSeparators;
+        let mut m = Mirror::new(&mut g, 200);
+        // No cursor yet: the lookup keyed on "1" copies "2" and stops at the separator.
+        let prop = d.propose(&ctx(&toks, prompt.len(), &p, &never), &mut m);
+        assert_eq!(prop.tokens, vec![2]);
+        assert_eq!(d.cursor(), None);
+        // The target accepts it and adds syntax of its own (60, 61: never in the prompt).
+        toks.extend([2, 60, 61]);
+        d.observe(&toks);
+        assert_eq!(d.cursor(), Some(2));
+        // A lookup keyed on 60 61 finds nothing; the cursor skips the separator to "3 4".
+        let mut g = NoSeparators;
+        let mut m = Mirror::new(&mut g, 200);
+        let prop = d.propose(&ctx(&toks, prompt.len(), &p, &never), &mut m);
+        assert_eq!(prop.tokens, vec![3, 4]);
+        // Say the target rejects it and writes "3" itself (a plain step, never observed by
+        // the drafter): the cursor re-aligns after the "3" and proposes "4".
+        d.observe(&toks);
+        toks.push(3);
+        let mut g = NoSeparators;
+        let mut m = Mirror::new(&mut g, 200);
+        let prop = d.propose(&ctx(&toks, prompt.len(), &p, &never), &mut m);
+        assert_eq!(prop.tokens, vec![4]);
+        // Accepted, with syntax 62 as the bonus: the cursor moves past "4" (prompt index 5,
+        // the separator), and the next proposal skips it to "5".
+        toks.extend([4, 62]);
+        d.observe(&toks);
+        assert_eq!(d.cursor(), Some(5));
+        let mut g = NoSeparators;
+        let mut m = Mirror::new(&mut g, 200);
+        let prop = d.propose(&ctx(&toks, prompt.len(), &p, &never), &mut m);
+        assert_eq!(prop.tokens, vec![5]);
+    }
+
+    #[test]
+    fn copies_from_the_output_leave_the_cursor_alone() {
+        let p = SamplingParams::greedy();
+        let never = TokenMask::new(0);
+        let prompt = [1u32, 2, 3];
+        // Output repeats itself: 7 8 9 7 8 -> the lookup copies 9 from the output.
+        let mut toks: Vec<u32> = prompt.to_vec();
+        toks.extend([7, 8, 9, 7, 8]);
+        let mut d = NgramDrafter::new(NgramConfig::default());
+        let prop = d.propose(
+            &ctx(&toks, prompt.len(), &p, &never),
+            &mut Mirror::unconstrained(),
+        );
+        assert_eq!(prop.tokens[0], 9);
+        toks.push(9);
+        d.observe(&toks);
+        assert_eq!(d.cursor(), None);
     }
 }
