@@ -427,12 +427,15 @@ run_engine() {
     local before rc=0
     before="$(loadavg)"
     log "round $round/$ROUNDS  $engine  $m  (load $before)"
+    # Peak RSS of the invocation (GNU time's %M, KiB) where /usr/bin/time exists.
+    local timer=()
+    [[ -x /usr/bin/time ]] && timer=(/usr/bin/time -f %M -o "$stem.rss")
     case "$engine" in
         llama)
-            "$LLAMA_BENCH" -m "$file" -t "$THREADS" -p "$N_PROMPT" -n "$N_GEN" -r "$REPS" -o json \
+            "${timer[@]}" "$LLAMA_BENCH" -m "$file" -t "$THREADS" -p "$N_PROMPT" -n "$N_GEN" -r "$REPS" -o json \
                 >"$stem.json" 2>"$stem.log" || rc=$? ;;
         lockstep)
-            "$LOCKSTEP" bench -m "$file" --threads "$THREADS" -p "$N_PROMPT" -n "$N_GEN" -r "$REPS" \
+            "${timer[@]}" "$LOCKSTEP" bench -m "$file" --threads "$THREADS" -p "$N_PROMPT" -n "$N_GEN" -r "$REPS" \
                 --output json >"$stem.json" 2>"$stem.log" || rc=$? ;;
     esac
     printf '%s\n%s\n' "$before" "$(loadavg)" >"$stem.load"
@@ -481,6 +484,8 @@ tests_wanted = ([f"pp{meta['n_prompt']}"] if meta["n_prompt"] else []) + \
                ([f"tg{meta['n_gen']}"] if meta["n_gen"] else [])
 peer_info = {}
 loads = []
+bw = {}   # model -> {"bytes": weight bytes read per decode token, "gbs": [bandwidths]}
+rss = {}  # (model, engine) -> [peak RSS bytes per invocation]
 for path in sorted(glob.glob(os.path.join(raw, "*-r*.json"))):
     stem = os.path.basename(path)[: -len(".json")]
     engine, rest = stem.split("-", 1)
@@ -498,6 +503,9 @@ for path in sorted(glob.glob(os.path.join(raw, "*-r*.json"))):
         else:
             test = row["test"]
             ts = row.get("samples_ts") or [row["tokens_per_second"]]
+            if row.get("bytes_per_token") and row.get("bandwidth_gbs"):
+                bw.setdefault(model, {"bytes": row["bytes_per_token"], "gbs": []})
+                bw[model]["gbs"].append(float(row["bandwidth_gbs"]))
             for k in ("kernels", "kv_type"):
                 if k in row:
                     peer_info.setdefault("lockstep_" + k, row[k])
@@ -508,6 +516,13 @@ for path in sorted(glob.glob(os.path.join(raw, "*-r*.json"))):
         failures.setdefault((model, engine), reason)
         for t in tests_wanted:
             samples.setdefault((model, t), {}).setdefault(engine, [])
+    rss_file = os.path.join(raw, stem + ".rss")
+    if os.path.exists(rss_file):
+        try:
+            kib = int(open(rss_file).read().split()[-1])
+            rss.setdefault((model, engine), []).append(kib * 1024)
+        except (ValueError, IndexError):
+            pass
     load_file = os.path.join(raw, stem + ".load")
     if os.path.exists(load_file):
         loads.append(float(open(load_file).read().split()[0]))
@@ -574,6 +589,34 @@ for key in sorted(samples, key=order_key):
     lines.append(f"| {model} | {test} | {fmt(lm, ls, 'llama')} | {fmt(km, ks, 'lockstep')} | {ratio} | "
                  f"{', '.join(per_round) or '—'} |")
 lines.append("")
+if bw:
+    lines.append("Decode against the memory-bandwidth bound (read bandwidth measured by `lockstep "
+                 "bench` in each of its invocations, same threads; bound = bandwidth ÷ weight bytes "
+                 "read per token):")
+    lines.append("")
+    lines.append("| model | weights read per token | read bandwidth GB/s | bound t/s | llama.cpp | lockstep |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for model in sorted(bw, key=lambda m: meta["models"].index(m) if m in meta["models"] else 99):
+        b = bw[model]["bytes"]
+        g = statistics.median(bw[model]["gbs"])
+        bound = g * 1e9 / b
+        tg = [k for k in samples if k[0] == model and k[1].startswith("tg")]
+        cells = []
+        for engine in ("llama", "lockstep"):
+            m = mean_sd(samples[tg[0]].get(engine, []))[0] if tg else None
+            cells.append("—" if m is None else f"{100 * m / bound:.0f}%")
+        lines.append(f"| {model} | {b / 2**20:.1f} MiB | {g:.1f} | {bound:.1f} | {cells[0]} | {cells[1]} |")
+    lines.append("")
+if rss:
+    lines.append("Peak RSS per invocation (GNU time, max over rounds):")
+    lines.append("")
+    lines.append("| model | llama.cpp | lockstep |")
+    lines.append("| --- | ---: | ---: |")
+    for model in meta["models"]:
+        cells = [f"{max(rss[(model, e)]) / 2**20:.0f} MiB" if (model, e) in rss else "—"
+                 for e in ("llama", "lockstep")]
+        lines.append(f"| {model} | {cells[0]} | {cells[1]} |")
+    lines.append("")
 lines.append("t/s: mean ± standard deviation over all repetitions of all rounds. "
              "Ratio > 1: lockstep is faster. The machine is shared: compare ratios, "
              "not absolute numbers across runs.")

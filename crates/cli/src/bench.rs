@@ -16,6 +16,7 @@ use serde::Serialize;
 
 use crate::args::{DEFAULT_MODEL, KvTypeArg};
 use crate::load;
+use crate::membw;
 
 /// Tokens prefilled (untimed) before the decode steps of a `tg` test.
 const TG_PROMPT_TOKENS: usize = 8;
@@ -63,6 +64,12 @@ pub struct BenchArgs {
     /// With --spec: also bench this draft model (same tokenizer as the target)
     #[arg(long = "draft", value_name = "MODEL", requires = "spec")]
     pub draft: Option<String>,
+
+    /// Skip the memory-bandwidth measurement (by default each model and thread count
+    /// measures read bandwidth first, ~1 s, and tg results report the fraction of the
+    /// bandwidth bound they reach)
+    #[arg(long = "no-bandwidth")]
+    pub no_bandwidth: bool,
 
     /// With --spec: most draft tokens per verify cycle
     #[arg(
@@ -132,6 +139,32 @@ struct BenchResult {
     samples_ts: Vec<f64>,
     kernels: String,
     kv_type: &'static str,
+    /// Weight bytes one decode step reads (every matmul weight and the output head; one
+    /// row of the embedding table): tg tests only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes_per_token: Option<u64>,
+    /// Memory read bandwidth measured in this run with the same thread count, GB/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bandwidth_gbs: Option<f64>,
+    /// tg tests: tokens/s × bytes per token ÷ bandwidth — the fraction of the
+    /// memory-bandwidth bound reached.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bandwidth_fraction: Option<f64>,
+    /// Peak resident memory of the process after this test (model, KV, scratch).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    peak_rss_bytes: Option<u64>,
+}
+
+/// Weight bytes a decode step reads from a GGUF: every tensor except the token embedding
+/// table (one row of it is read), plus that table when it doubles as the output head.
+fn decode_bytes_per_token(gguf: &gguf::GgufFile) -> u64 {
+    let tensors = gguf.tensors();
+    let tied = !tensors.iter().any(|t| t.name == "output.weight");
+    tensors
+        .iter()
+        .filter(|t| tied || t.name != "token_embd.weight")
+        .map(|t| t.n_bytes)
+        .sum()
 }
 
 /// The kernel set this process selected: quantized dot kernels / row-op ISA.
@@ -188,6 +221,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let kv_type: KvType = args.kv_type.into();
     let kernels = kernel_set_name();
     let mut results = Vec::new();
+    let mut notes = Vec::new();
     match args.output {
         BenchOutput::Md => {
             writeln!(
@@ -212,7 +246,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             .with_context(|| format!("{name}: the longest test needs {needed} tokens"))?;
         load::check_memory(&gguf, n_ctx, kv_type)?;
         let size: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
+        let per_token = decode_bytes_per_token(&gguf);
         for &t in &threads {
+            let bandwidth = (!args.no_bandwidth).then(|| membw::read_bandwidth(t.min(cores)));
             if t > cores {
                 eprintln!(
                     "note: {t} threads requested, this machine has {cores} cores; using {cores}"
@@ -234,6 +270,12 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
                     samples.push(test.tokens() as f64 / secs.max(1e-9));
                 }
                 let (mean, stddev) = mean_stddev(&samples);
+                let is_gen = matches!(test, Test::Gen(_));
+                let bytes_per_token = is_gen.then_some(per_token);
+                let bandwidth_fraction = match (bytes_per_token, bandwidth) {
+                    (Some(b), Some(bw)) if bw > 0.0 => Some(mean * b as f64 / (bw * 1e9)),
+                    _ => None,
+                };
                 let result = BenchResult {
                     model: name.clone(),
                     model_size: size,
@@ -250,14 +292,56 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
                         KvType::F16 => "f16",
                         KvType::F32 => "f32",
                     },
+                    bytes_per_token,
+                    bandwidth_gbs: bandwidth,
+                    bandwidth_fraction,
+                    peak_rss_bytes: membw::peak_rss_bytes(),
                 };
+                if let (Some(b), Some(bw), Some(f)) =
+                    (bytes_per_token, bandwidth, bandwidth_fraction)
+                {
+                    let bound = bw * 1e9 / b as f64;
+                    let cache = membw::last_level_cache_bytes();
+                    let applies = match cache {
+                        Some(c) if b <= c => "weights fit in the last-level cache: the bound \
+                                              does not apply",
+                        Some(_) => "weights exceed the last-level cache: the bound applies",
+                        None => "last-level cache size unknown",
+                    };
+                    notes.push(format!(
+                        "{name}, {} threads, {}: reads {} of weights per token; memory read \
+                         bandwidth {bw:.1} GB/s -> bound {bound:.1} t/s; reached {:.0}% ({applies})",
+                        result.threads,
+                        result.test,
+                        human_size(b),
+                        f * 100.0
+                    ));
+                }
                 print_row(args.output, &result, out)?;
                 results.push(result);
             }
+            if let Some(rss) = membw::peak_rss_bytes() {
+                notes.push(format!(
+                    "{name}, {} threads: peak RSS {} (model, KV cache, scratch)",
+                    model.n_threads(),
+                    human_size(rss)
+                ));
+            }
         }
     }
-    if args.output == BenchOutput::Json {
-        writeln!(out, "{}", serde_json::to_string_pretty(&results)?)?;
+    match args.output {
+        BenchOutput::Json => writeln!(out, "{}", serde_json::to_string_pretty(&results)?)?,
+        BenchOutput::Md => {
+            writeln!(out)?;
+            for n in &notes {
+                writeln!(out, "- {n}")?;
+            }
+        }
+        BenchOutput::Csv => {
+            for n in &notes {
+                eprintln!("note: {n}");
+            }
+        }
     }
     Ok(())
 }

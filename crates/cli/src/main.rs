@@ -9,6 +9,7 @@ mod chat;
 mod check;
 mod inspect;
 mod load;
+mod membw;
 mod model_arg;
 mod models;
 mod prompt;
