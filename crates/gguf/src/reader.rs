@@ -251,6 +251,46 @@ impl GgufFile {
         self.header.tensors.get(i)
     }
 
+    /// Tells the OS that this process no longer needs the mapped pages of tensor `t` (for
+    /// a tensor whose bytes were copied elsewhere, e.g. repacked at load). The pages leave
+    /// this process's resident set; the bytes stay readable (a later read faults them in
+    /// again from the file). Only whole pages inside the tensor are released; a no-op for
+    /// files read into memory and on platforms without `madvise`.
+    pub fn release_tensor_pages(&self, t: &TensorInfo) {
+        #[cfg(unix)]
+        if let Storage::Mapped(map) = &self.storage {
+            let Some(start) = self
+                .header
+                .data_offset
+                .checked_add(t.offset)
+                .and_then(|s| usize::try_from(s).ok())
+            else {
+                return;
+            };
+            let Some(end) = usize::try_from(t.n_bytes)
+                .ok()
+                .and_then(|n| start.checked_add(n))
+            else {
+                return;
+            };
+            let end = end.min(map.len());
+            let page = RELEASE_ALIGN;
+            let lo = start.div_ceil(page) * page;
+            let hi = end / page * page;
+            if lo < hi {
+                // SAFETY: the mapping is a read-only shared file mapping; MADV_DONTNEED only
+                // drops this process's page-table entries for the range, and later reads
+                // fault the same file bytes back in (the file is assumed unchanged while
+                // mapped, as for the whole mapping). The range lies inside the mapping.
+                let _ = unsafe {
+                    map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, lo, hi - lo)
+                };
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = t;
+    }
+
     /// The bytes of a tensor of this file (validated in bounds when the file was opened).
     ///
     /// A `TensorInfo` that does not belong to this file gives its bytes if they happen to
@@ -686,3 +726,8 @@ fn read_array(c: &mut Cursor<'_>, key: &str, depth: usize) -> Result<Array, Gguf
         }
     })
 }
+
+/// Alignment of released ranges: a multiple of every common page size (4, 16 and 64 KiB),
+/// so no system call is needed to ask for it.
+#[cfg(unix)]
+const RELEASE_ALIGN: usize = 64 * 1024;

@@ -210,3 +210,38 @@ fn writer_output_has_llama_cpp_layout() {
     assert_eq!(f.tensor("b").unwrap().offset, 32);
     assert_eq!(bytes.len() as u64, f.data_offset() + 64);
 }
+
+#[test]
+fn released_tensor_pages_read_back_unchanged() {
+    // A 1 MiB F32 tensor between two small ones: releasing its pages must not change any
+    // byte of it or of its neighbours, mapped or not.
+    let mut w = GgufWriter::new();
+    let big = seeded_bytes(1 << 20, 7);
+    w.add_tensor("a", &[8], GgmlType::F32, seeded_bytes(32, 1))
+        .unwrap();
+    w.add_tensor("big", &[1 << 18], GgmlType::F32, big.clone())
+        .unwrap();
+    w.add_tensor("b", &[8], GgmlType::F32, seeded_bytes(32, 2))
+        .unwrap();
+    let dir = std::env::temp_dir().join(format!("lockstep-gguf-release-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("release.gguf");
+    w.write_file(&path).unwrap();
+    let mapped = GgufFile::open(&path).unwrap();
+    let in_memory = GgufFile::from_bytes(w.to_bytes()).unwrap();
+    for f in [&mapped, &in_memory] {
+        let info = f.tensor("big").unwrap().clone();
+        assert_eq!(f.tensor_data(&info), &big[..]);
+        f.release_tensor_pages(&info);
+        assert_eq!(f.tensor_data(&info), &big[..]);
+        assert_eq!(
+            f.tensor_data(f.tensor("a").unwrap()),
+            &seeded_bytes(32, 1)[..]
+        );
+        assert_eq!(
+            f.tensor_data(f.tensor("b").unwrap()),
+            &seeded_bytes(32, 2)[..]
+        );
+    }
+    std::fs::remove_file(&path).unwrap();
+}
