@@ -3,11 +3,15 @@
 //! - [`ChatTemplate`] renders a GGUF's `tokenizer.chat_template` for a conversation of
 //!   [`Message`]s, byte for byte as `transformers`' `apply_chat_template` does.
 //! - [`ToolCallFormat`] describes one model family's tool-call envelope (Qwen/Hermes
-//!   `<tool_call>` today): parsing whole outputs, parsing streams, and rendering a call.
+//!   `<tool_call>`, DeepSeek V4 DSML `<｜DSML｜tool_calls>`): parsing whole outputs, parsing
+//!   streams, rendering a call, and (DSML) the grammar of the calls.
+//! - [`ChatTemplate::deepseek_v4`] renders DeepSeek V4's chat encoding, which DeepSeek
+//!   ships as Python rather than Jinja ([`deepseek_v4`]).
 //!
 //! This crate never depends on the tokenizer or on GGUF: callers pass the template source
 //! and the BOS/EOS token strings.
 
+pub mod deepseek_v4;
 mod error;
 mod message;
 mod pyjson;
@@ -18,8 +22,8 @@ pub use error::ChatError;
 pub use message::{ContentPart, FunctionCall, Message, MessageContent, ToolCall};
 pub use template::ChatTemplate;
 pub use tool_call::{
-    HermesFormat, ParsedOutput, ParsedToolCall, ToolCallError, ToolCallFormat, ToolStreamEvent,
-    ToolStreamParser, detect_format,
+    DSML_TOKEN, DsmlFormat, HermesFormat, ParsedOutput, ParsedToolCall, ToolCallError,
+    ToolCallFormat, ToolStreamEvent, ToolStreamParser, detect_format, dsml_calls_lark,
 };
 
 /// Python's `json.dumps(value, ensure_ascii=False)` (HF's `tojson` with default options):

@@ -30,6 +30,8 @@ const SNIPPET_MAX_CHARS: usize = 80;
 /// ```
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// Rendered by [`crate::deepseek_v4`] rather than by Jinja.
+    deepseek_v4: bool,
     source: String,
     bos_token: String,
     eos_token: String,
@@ -75,10 +77,28 @@ impl ChatTemplate {
             .map_err(|e| convert_error(&e, source))?;
         Ok(ChatTemplate {
             env,
+            deepseek_v4: false,
             source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
+    }
+
+    /// DeepSeek V4's chat encoding (DSML tool calls), which DeepSeek ships as Python
+    /// rather than as a Jinja template: rendered in Rust (see [`crate::deepseek_v4`]). Its
+    /// [`Self::source`] is a description that names the DSML envelope and the tools
+    /// section, so [`crate::detect_format`] picks [`crate::DsmlFormat`] for it.
+    pub fn deepseek_v4() -> ChatTemplate {
+        ChatTemplate {
+            env: Environment::new(),
+            deepseek_v4: true,
+            source: format!(
+                "{{# built-in: DeepSeek V4 encoding (encoding_dsv4.py), rendered in Rust #}}\n{}",
+                crate::deepseek_v4::TOOLS_TEMPLATE
+            ),
+            bos_token: crate::deepseek_v4::BOS.to_string(),
+            eos_token: crate::deepseek_v4::EOS.to_string(),
+        }
     }
 
     /// The template source as given.
@@ -98,6 +118,9 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: Map<String, serde_json::Value>,
     ) -> Result<String, ChatError> {
+        if self.deepseek_v4 {
+            return crate::deepseek_v4::render(messages, tools, add_generation_prompt, &extra);
+        }
         let msgs = messages
             .iter()
             .enumerate()
@@ -144,6 +167,9 @@ impl ChatTemplate {
         &self,
         context: &Map<String, serde_json::Value>,
     ) -> Result<String, ChatError> {
+        if self.deepseek_v4 {
+            return self.render_context_builtin(context);
+        }
         let mut ctx: Vec<(String, Value)> = context
             .iter()
             .map(|(k, v)| (k.clone(), Value::from_serialize(v)))
@@ -157,6 +183,35 @@ impl ChatTemplate {
             }
         }
         self.render_values(ctx)
+    }
+
+    /// [`Self::render_context`] for the built-in DeepSeek V4 renderer: `messages`,
+    /// `tools` and `add_generation_prompt` are read, every other key is an option.
+    fn render_context_builtin(
+        &self,
+        context: &Map<String, serde_json::Value>,
+    ) -> Result<String, ChatError> {
+        let bad = |what: &str, e: String| ChatError::Render {
+            line: None,
+            snippet: None,
+            message: format!("{what}: {e}"),
+        };
+        let messages: Vec<Message> = match context.get("messages") {
+            Some(m) => {
+                serde_json::from_value(m.clone()).map_err(|e| bad("messages", e.to_string()))?
+            }
+            None => Vec::new(),
+        };
+        let tools: Option<Vec<serde_json::Value>> = match context.get("tools") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::Array(t)) => Some(t.clone()),
+            Some(_) => return Err(bad("tools", "not a list".to_string())),
+        };
+        let agp = context
+            .get("add_generation_prompt")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(false);
+        crate::deepseek_v4::render(&messages, tools.as_deref(), agp, context)
     }
 
     fn render_values(&self, ctx: Vec<(String, Value)>) -> Result<String, ChatError> {

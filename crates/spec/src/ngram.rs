@@ -118,7 +118,7 @@ impl NgramDrafter {
 
     /// A proposal from the prompt cursor: the first of the next [`CURSOR_SKIP`] + 1 prompt
     /// tokens the mirror accepts, and what follows it.
-    fn from_cursor(
+    fn propose_from_cursor(
         &mut self,
         ctx: &DraftContext<'_>,
         mirror: &mut Mirror<'_>,
@@ -179,7 +179,7 @@ impl Drafter for NgramDrafter {
         }
         let constrained = mirror.is_constrained();
         if constrained {
-            let p = self.from_cursor(ctx, mirror, k);
+            let p = self.propose_from_cursor(ctx, mirror, k);
             if !p.is_empty() {
                 return p;
             }
@@ -193,7 +193,7 @@ impl Drafter for NgramDrafter {
         if constrained {
             DraftProposal::default()
         } else {
-            self.from_cursor(ctx, mirror, k)
+            self.propose_from_cursor(ctx, mirror, k)
         }
     }
 

@@ -5,8 +5,11 @@
 //! ([`ToolCallFormat::render_call`], used to build grammars that force the envelope).
 //! Arguments travel as raw JSON text while streaming; ids are the caller's business.
 
+mod dsml;
 mod hermes;
 
+pub(crate) use dsml::encode_arguments as dsml_encode_arguments;
+pub use dsml::{DSML_TOKEN, DsmlFormat, calls_lark as dsml_calls_lark};
 pub use hermes::HermesFormat;
 
 use serde_json::Value;
@@ -24,6 +27,20 @@ pub trait ToolCallFormat: Send + Sync + std::fmt::Debug {
     /// The envelope text for one call, exactly as the model is expected to write it.
     /// `arguments_json` is inserted verbatim.
     fn render_call(&self, name: &str, arguments_json: &str) -> String;
+    /// Lark rules defining the rule `calls` (starting with [`Self::start_marker`]) for the
+    /// function tools `(name, parameters schema)`, for formats whose envelope is not
+    /// [`Self::render_call`] around a JSON arguments slot. `parallel`: several calls
+    /// allowed. `None` (the default): the caller builds the grammar from `render_call` with
+    /// the arguments as `%json` (Hermes). `Some(Err)`: the tools cannot be written in
+    /// this format.
+    fn calls_lark(
+        &self,
+        tools: &[(&str, &Value)],
+        parallel: bool,
+    ) -> Option<Result<String, String>> {
+        let _ = (tools, parallel);
+        None
+    }
     /// Splits a whole completion into content and tool calls. Equivalent to feeding the
     /// text to [`Self::stream_parser`] in one piece and collecting the events.
     fn parse(&self, text: &str) -> ParsedOutput {
@@ -169,8 +186,14 @@ impl ParsedOutput {
     }
 }
 
-/// The tool-call format a chat template teaches its model, if any is known.
+/// The tool-call format a chat template teaches its model, if any is known: DSML for
+/// DeepSeek V4 (`｜DSML｜` without V3.2's `function_calls`), Hermes for `<tool_call>`.
 pub fn detect_format(template_source: &str) -> Option<Box<dyn ToolCallFormat>> {
+    // V3.2 templates also mention the DSML token but name the block `function_calls`,
+    // which this format does not read.
+    if template_source.contains(DSML_TOKEN) && !template_source.contains("function_calls") {
+        return Some(Box::new(DsmlFormat));
+    }
     if template_source.contains("<tool_call>") {
         return Some(Box::new(HermesFormat));
     }
