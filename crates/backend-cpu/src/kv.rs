@@ -112,6 +112,17 @@ impl BlockAllocator {
     pub fn capacity(&self) -> usize {
         self.refcount.len()
     }
+
+    /// Grows the pool to `n` blocks (a smaller `n` does nothing). The new blocks are free
+    /// and handed out after the ones already free.
+    pub fn grow(&mut self, n: usize) {
+        let old = self.refcount.len();
+        if n <= old {
+            return;
+        }
+        self.refcount.resize(n, 0);
+        self.free.splice(0..0, (old as u32..n as u32).rev());
+    }
 }
 
 /// One sequence's blocks in one layer group: logical block `b` covers positions
@@ -302,6 +313,43 @@ impl KvCache {
     /// The block allocator of a layer group (read-only: free counts, refcounts).
     pub fn allocator(&self, group: usize) -> Option<&BlockAllocator> {
         self.groups.get(group).map(|g| &g.alloc)
+    }
+
+    /// Grows the block pool of layer group `group` to `capacity` blocks (a smaller
+    /// capacity does nothing): the new blocks are free and zeroed; existing blocks, tables
+    /// and refcounts are untouched. Lets a sliding-window group start small and follow its
+    /// real use (it never needs more blocks than the global group holds).
+    pub fn grow_pool(&mut self, group: usize, capacity: usize) -> Result<()> {
+        let per_block = self.cfg.n_kv_head * self.cfg.head_dim * self.cfg.block_size;
+        let n_groups = self.groups.len();
+        let g = self.groups.get_mut(group).ok_or_else(|| {
+            Error::Config(format!(
+                "layer group {group} does not exist ({n_groups} groups)"
+            ))
+        })?;
+        if capacity <= g.alloc.capacity() {
+            return Ok(());
+        }
+        if capacity >= RELEASED as usize {
+            return Err(Error::Config("too many blocks".into()));
+        }
+        let n = per_block
+            .checked_mul(capacity)
+            .ok_or_else(|| Error::Config("KV cache too large".into()))?;
+        for values in &mut g.storage {
+            match values {
+                Values::F16 { k, v } => {
+                    k.resize(n, 0);
+                    v.resize(n, 0);
+                }
+                Values::F32 { k, v } => {
+                    k.resize(n, 0.0);
+                    v.resize(n, 0.0);
+                }
+            }
+        }
+        g.alloc.grow(capacity);
+        Ok(())
     }
 
     /// An empty sequence (no blocks).

@@ -54,5 +54,5 @@ pub use api::{
     TokenConstraint, TokenMask, Usage,
 };
 pub use fake::{FakeBackend, FakeStats, fake_logits};
-pub use model_backend::ModelBackend;
+pub use model_backend::{KvPoolUsage, ModelBackend};
 pub use step::logit_digest;

@@ -1,13 +1,46 @@
 //! [`ModelBackend`]: the [`ForwardBackend`] over a loaded [`model::Model`] and its paged KV
 //! cache.
+//!
+//! The cache has one block pool per layer group (global layers, and the layers of each
+//! sliding window). The engine accounts in blocks of the *accounting group* — the global
+//! group (or the first group, should every layer slide) — and the sliding groups never
+//! bind:
+//!
+//! - a sliding group's blocks mirror the accounting group's (same table lengths, the same
+//!   forks and copies), minus the blocks that left the window, so it never holds more;
+//! - its pool starts small and grows on demand (never past the accounting pool), so its
+//!   memory follows what the windows really hold: about `window / block_size + 1` blocks
+//!   per running sequence (plus the partly filled chunk being written);
+//! - [`ForwardBackend::kv_prepare`] from position `from` drops the sliding blocks no query
+//!   at or after `from` can see (the engine never cuts a sequence below the start of its
+//!   next write), and [`ForwardBackend::kv_fork`] keeps in the new sequence only the window
+//!   its next query needs, and refuses a fork whose window was already dropped.
 
 use crate::api::{BackendError, ForwardBackend, ForwardRow, KvSlot};
-use crate::slots::SlotTable;
+use crate::slots::{SlotTable, map_kv_err};
 use model::{BatchRow, ForwardScratch, KvCache, Model, ModelError, SeqKv};
 use std::sync::Arc;
 
-/// The real model behind the engine. Global-attention architectures (llama, qwen2): one
-/// block pool.
+/// How full one block pool of the KV cache is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvPoolUsage {
+    /// The layer group's window (`None` = global attention).
+    pub window: Option<usize>,
+    /// Blocks in the pool now (sliding pools grow on demand).
+    pub capacity: usize,
+    /// Blocks free now.
+    pub free: usize,
+}
+
+impl KvPoolUsage {
+    /// Blocks in use (held by sequences or the prefix cache).
+    pub fn used(&self) -> usize {
+        self.capacity - self.free
+    }
+}
+
+/// The real model behind the engine: llama, qwen2 (one global block pool) and gemma3
+/// (a global pool and a sliding-window pool; see the module docs for the accounting).
 #[derive(Debug)]
 pub struct ModelBackend {
     model: Arc<Model>,
@@ -48,6 +81,95 @@ impl ModelBackend {
             .as_mut()
             .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))
     }
+
+    /// Every block pool of the KV cache, by layer group (empty before
+    /// [`ForwardBackend::init_kv`]).
+    pub fn kv_pools(&self) -> Vec<KvPoolUsage> {
+        let Some(kv) = &self.kv else {
+            return Vec::new();
+        };
+        (0..kv.n_groups())
+            .filter_map(|g| {
+                kv.allocator(g).map(|a| KvPoolUsage {
+                    window: kv.group_window(g),
+                    capacity: a.capacity(),
+                    free: a.free_count(),
+                })
+            })
+            .collect()
+    }
+}
+
+/// The group the engine accounts in: the global one, else the first.
+fn accounting_group(kv: &KvCache) -> usize {
+    (0..kv.n_groups())
+        .find(|&g| kv.group_window(g).is_none())
+        .unwrap_or(0)
+}
+
+/// Blocks of the accounting group that `prepare(seq, from, to)` allocates: new blocks past
+/// the cut, plus copies of shared blocks at or after `from`. Every other group needs at
+/// most as many.
+fn blocks_needed(kv: &KvCache, seq: &SeqKv, from: usize, to: usize) -> usize {
+    let g = accounting_group(kv);
+    let bs = kv.config().block_size.max(1);
+    let Some(table) = seq.table(g) else { return 0 };
+    let blocks = table.blocks();
+    let kept = if from < seq.len() {
+        from.div_ceil(bs).min(blocks.len())
+    } else {
+        blocks.len()
+    };
+    let new = to.div_ceil(bs).saturating_sub(kept);
+    let shared = match kv.allocator(g) {
+        Some(a) => blocks
+            .get(from / bs..kept)
+            .unwrap_or_default()
+            .iter()
+            .filter(|&&b| a.refcount(b) > 1)
+            .count(),
+        None => 0,
+    };
+    new + shared
+}
+
+/// Grows every sliding pool that has fewer than `needed` free blocks: doubling, at least
+/// to `needed` free, never past the accounting pool's capacity (which a sliding group, a
+/// subset of its blocks, never needs to exceed).
+fn grow_sliding_pools(kv: &mut KvCache, needed: usize) -> Result<(), BackendError> {
+    let acct = accounting_group(kv);
+    let limit = kv.allocator(acct).map_or(0, |a| a.capacity());
+    for g in 0..kv.n_groups() {
+        if g == acct {
+            continue;
+        }
+        let Some(a) = kv.allocator(g) else { continue };
+        if a.free_count() >= needed {
+            continue;
+        }
+        let used = a.capacity() - a.free_count();
+        let want = (used + needed)
+            .max(a.capacity() * 2)
+            .min(limit.max(used + needed));
+        kv.grow_pool(g, want).map_err(map_kv_err)?;
+    }
+    Ok(())
+}
+
+/// Whether every sliding group of `seq` still holds the blocks a query at `pos` reads.
+fn window_intact(kv: &KvCache, seq: &SeqKv, pos: usize) -> bool {
+    let bs = kv.config().block_size.max(1);
+    (0..kv.n_groups()).all(|g| {
+        let Some(w) = kv.group_window(g) else {
+            return true;
+        };
+        let Some(table) = seq.table(g) else {
+            return false;
+        };
+        let first = (pos + 1).saturating_sub(w) / bs;
+        let last = pos.min(seq.len().saturating_sub(1)) / bs;
+        seq.is_empty() || (first..=last).all(|b| table.block(b).is_some())
+    })
 }
 
 impl ForwardBackend for ModelBackend {
@@ -62,7 +184,13 @@ impl ForwardBackend for ModelBackend {
     fn init_kv(&mut self, max_tokens: usize) -> Result<(), BackendError> {
         self.slots.clear(self.kv.as_mut());
         self.kv = None;
-        self.kv = Some(self.model.new_kv_cache(max_tokens).map_err(model_err)?);
+        let mut cfg = self.model.kv_config(max_tokens);
+        if let Some(w) = self.model.config().max_window() {
+            // Room for two sequences' windows to start with; grown on demand.
+            let per_seq = w.div_ceil(cfg.block_size) + 1;
+            cfg.sliding_blocks = cfg.global_blocks.min(2 * per_seq);
+        }
+        self.kv = Some(KvCache::new(cfg).map_err(map_kv_err)?);
         Ok(())
     }
 
@@ -75,14 +203,14 @@ impl ForwardBackend for ModelBackend {
     fn total_blocks(&self) -> usize {
         self.kv
             .as_ref()
-            .and_then(|kv| kv.allocator(0))
+            .and_then(|kv| kv.allocator(accounting_group(kv)))
             .map_or(0, |a| a.capacity())
     }
 
     fn free_blocks(&self) -> usize {
         self.kv
             .as_ref()
-            .and_then(|kv| kv.allocator(0))
+            .and_then(|kv| kv.allocator(accounting_group(kv)))
             .map_or(0, |a| a.free_count())
     }
 
@@ -98,7 +226,19 @@ impl ForwardBackend for ModelBackend {
             .kv
             .as_mut()
             .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
-        self.slots.fork(kv, src, len)
+        let slot = self.slots.fork(kv, src, len)?;
+        // The fork's next query sits at or after its last position: keep only that window.
+        let seq = self.slots.get_mut(slot)?;
+        let last = seq.len().saturating_sub(1);
+        kv.release_outside_window(seq, last);
+        if !window_intact(kv, seq, last) {
+            self.slots.release(kv, slot);
+            return Err(BackendError::Other(format!(
+                "cannot share positions 0..{len}: blocks of their sliding window were \
+                 already released"
+            )));
+        }
+        Ok(slot)
     }
 
     fn kv_len(&self, slot: KvSlot) -> usize {
@@ -110,13 +250,26 @@ impl ForwardBackend for ModelBackend {
             .kv
             .as_mut()
             .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
-        self.slots.prepare(kv, slot, from, to)
+        let seq = self.slots.get_mut(slot)?;
+        let needed = blocks_needed(kv, seq, from, to);
+        let free = kv
+            .allocator(accounting_group(kv))
+            .map_or(0, |a| a.free_count());
+        if needed > free {
+            return Err(BackendError::OutOfBlocks { needed, free });
+        }
+        kv.truncate(seq, from);
+        // Positions before `from` are final: every later query sits at or after it.
+        kv.release_outside_window(seq, from);
+        grow_sliding_pools(kv, needed)?;
+        kv.reserve(seq, to).map_err(map_kv_err)?;
+        kv.make_writable(seq, from).map_err(map_kv_err)
     }
 
     fn kv_blocks_needed(&self, slot: KvSlot, from: usize, to: usize) -> usize {
-        match &self.kv {
-            Some(kv) => self.slots.blocks_needed(kv, slot, from, to),
-            None => 0,
+        match (&self.kv, self.slots.get(slot)) {
+            (Some(kv), Ok(seq)) => blocks_needed(kv, seq, from, to),
+            _ => 0,
         }
     }
 

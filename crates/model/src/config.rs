@@ -6,7 +6,7 @@ use backend_cpu::RopeStyle;
 use gguf::GgufFile;
 
 /// Architectures this crate implements (`general.architecture` values).
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "gemma3"];
 
 /// A model architecture.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -15,6 +15,9 @@ pub enum Arch {
     Llama,
     /// Qwen2 (Qwen2.5-Coder, …): llama with Q/K/V biases and NeoX-style RoPE.
     Qwen2,
+    /// Gemma 3: sliding-window layers interleaved with global ones (two RoPE bases),
+    /// QK-norm, norms after attention and MLP, scaled embeddings, GELU-tanh GeGLU.
+    Gemma3,
 }
 
 impl Arch {
@@ -24,6 +27,7 @@ impl Arch {
         match name {
             "llama" => Ok(Arch::Llama),
             "qwen2" => Ok(Arch::Qwen2),
+            "gemma3" => Ok(Arch::Gemma3),
             other => Err(ModelError::UnsupportedArchitecture {
                 arch: other.to_string(),
                 supported: SUPPORTED_ARCHITECTURES,
@@ -36,15 +40,16 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3",
         }
     }
 
     /// Which elements RoPE pairs up (llama.cpp's `llama_model_rope_type`: llama is
-    /// `LLAMA_ROPE_TYPE_NORM`, qwen2 `LLAMA_ROPE_TYPE_NEOX`).
+    /// `LLAMA_ROPE_TYPE_NORM`, qwen2 and gemma3 `LLAMA_ROPE_TYPE_NEOX`).
     pub fn rope_style(self) -> RopeStyle {
         match self {
             Arch::Llama => RopeStyle::Normal,
-            Arch::Qwen2 => RopeStyle::Neox,
+            Arch::Qwen2 | Arch::Gemma3 => RopeStyle::Neox,
         }
     }
 
@@ -114,6 +119,18 @@ pub struct Config {
     pub n_vocab: usize,
     /// Whether the output head reuses `token_embd.weight` (no `output.weight` in the file).
     pub tied_embeddings: bool,
+    /// Per layer: `None` for global attention, `Some(W)` for a sliding window of `W` keys
+    /// (a query at `p` sees keys `max(0, p-W+1)..=p`). All `None` for llama and qwen2.
+    pub layer_windows: Vec<Option<usize>>,
+    /// RoPE frequency base of the sliding-window layers (gemma3: `rope.freq_base_swa`,
+    /// default 10000, unscaled); equals `rope_base` where no layer slides.
+    pub rope_base_swa: f32,
+    /// Attention score scale (`1/sqrt(head_dim)`; gemma3 takes llama.cpp's
+    /// `f_attention_scale`, the `query_pre_attn_scalar` of the checkpoint).
+    pub attn_scale: f32,
+    /// Final logit soft-capping `c` (`logits = c·tanh(logits/c)`), when the file sets
+    /// `final_logit_softcapping` (gemma3; absent in the released GGUFs).
+    pub final_logit_softcap: Option<f32>,
 }
 
 impl Config {
@@ -200,6 +217,37 @@ impl Config {
         }
         let rope_scaling = rope_scaling(gguf, a)?;
         let (n_vocab, tied_embeddings) = vocab(gguf)?;
+        let mut layer_windows = vec![None; n_layer];
+        let mut rope_base_swa = rope_base;
+        // llama.cpp `f_attention_scale`: 1/sqrt(head_dim), f32 sqrt then f32 division.
+        let mut attn_scale = 1.0 / (head_dim as f32).sqrt();
+        let mut final_logit_softcap = None;
+        if arch == Arch::Gemma3 {
+            layer_windows = gemma3_windows(gguf, a, n_layer)?;
+            rope_base_swa = match gguf.get(&key("rope.freq_base_swa")) {
+                None => 10_000.0,
+                Some(_) => gguf.get_f32(&key("rope.freq_base_swa"))?,
+            };
+            if !(rope_base_swa.is_finite() && rope_base_swa > 0.0) {
+                return Err(ModelError::Config(format!(
+                    "rope.freq_base_swa {rope_base_swa} must be finite and > 0"
+                )));
+            }
+            // gemma_pytorch: the 27B model (62 layers) scales by 1/sqrt(n_embd / n_head).
+            if n_layer == 62 {
+                attn_scale = 1.0 / ((n_embd / n_head) as f32).sqrt();
+            }
+            let cap_key = key("final_logit_softcapping");
+            if gguf.get(&cap_key).is_some() {
+                let c = gguf.get_f32(&cap_key)?;
+                if !c.is_finite() || c < 0.0 {
+                    return Err(ModelError::Config(format!(
+                        "final_logit_softcapping {c} must be finite and >= 0"
+                    )));
+                }
+                final_logit_softcap = (c > 0.0).then_some(c);
+            }
+        }
         Ok(Config {
             arch,
             n_layer,
@@ -215,6 +263,10 @@ impl Config {
             n_ctx_train,
             n_vocab,
             tied_embeddings,
+            layer_windows,
+            rope_base_swa,
+            attn_scale,
+            final_logit_softcap,
         })
     }
 
@@ -227,6 +279,52 @@ impl Config {
     pub fn kv_dim(&self) -> usize {
         self.n_head_kv * self.head_dim
     }
+
+    /// The largest sliding window of any layer (`None` when every layer is global).
+    pub fn max_window(&self) -> Option<usize> {
+        self.layer_windows.iter().flatten().copied().max()
+    }
+}
+
+/// The per-layer windows of gemma3, as llama.cpp sets them: `attention.sliding_window`
+/// `W` (absent or 0: every layer global), and `attention.sliding_window_pattern` either a
+/// per-layer bool array or a period `n` (default 6) where layer `il` slides iff
+/// `il % n < n - 1` (every `n`-th layer, counting from 1, is global; `n = 0`: all slide).
+fn gemma3_windows(
+    gguf: &GgufFile,
+    a: &str,
+    n_layer: usize,
+) -> Result<Vec<Option<usize>>, ModelError> {
+    let window_key = format!("{a}.attention.sliding_window");
+    let window = match gguf.get(&window_key) {
+        None => 0,
+        Some(_) => usize::try_from(gguf.get_u32(&window_key)?).unwrap_or(usize::MAX),
+    };
+    if window == 0 {
+        return Ok(vec![None; n_layer]);
+    }
+    let pattern_key = format!("{a}.attention.sliding_window_pattern");
+    let slides: Vec<bool> = match gguf.get(&pattern_key) {
+        Some(v) if v.as_array().is_some() => {
+            let arr = gguf.get_array(&pattern_key)?;
+            let bools = arr.as_bools().ok_or_else(|| {
+                ModelError::Config(format!("{pattern_key} must be an array of bools"))
+            })?;
+            if bools.len() != n_layer {
+                return Err(ModelError::Config(format!(
+                    "{pattern_key} has {} entries for {n_layer} layers",
+                    bools.len()
+                )));
+            }
+            bools.to_vec()
+        }
+        Some(_) => {
+            let n = usize::try_from(gguf.get_u32(&pattern_key)?).unwrap_or(usize::MAX);
+            (0..n_layer).map(|il| n == 0 || il % n < n - 1).collect()
+        }
+        None => (0..n_layer).map(|il| il % 6 < 5).collect(),
+    };
+    Ok(slides.into_iter().map(|s| s.then_some(window)).collect())
 }
 
 /// `rope.scaling.type` / `rope.scaling.factor`, or the older `rope.scale_linear`.

@@ -1,5 +1,7 @@
-//! The building blocks shared by the architectures: RMSNorm, causal self-attention over the
-//! paged KV cache, the SwiGLU feed-forward block, and the scratch buffers they work in.
+//! The building blocks shared by the architectures: RMSNorm, causal (optionally
+//! sliding-window) self-attention over the paged KV cache with optional QK-norm and
+//! post-norm, the gated feed-forward block (SwiGLU or GELU-tanh GeGLU, optional post-norm),
+//! and the scratch buffers they work in.
 //!
 //! Each block reads the residual stream `x` (one row per batch row) from the scratch and
 //! adds its output back into it. Every step is per row or a matmul split over N, so a
@@ -27,8 +29,11 @@ pub(crate) struct Ctx<'a> {
     pub gguf: &'a GgufFile,
     /// Hyperparameters.
     pub cfg: &'a Config,
-    /// RoPE cos/sin table.
+    /// RoPE cos/sin table of the global-attention layers.
     pub rope: &'a RopeTable,
+    /// RoPE cos/sin table of the sliding-window layers (the same table where the
+    /// architecture has one base).
+    pub rope_swa: &'a RopeTable,
     /// RoPE pairing.
     pub rope_style: RopeStyle,
 }
@@ -124,8 +129,24 @@ pub(crate) fn rms_norm_rows(
     })
 }
 
-/// Self-attention of one layer: RMSNorm → Q/K/V (+ biases) → RoPE → K/V into the cache →
-/// attention over the cache → output projection → residual add.
+/// RMSNorm of each `n`-value piece of `x` in place (`n = w.len()`: QK-norm, per head).
+fn rms_norm_heads(
+    cx: &Ctx<'_>,
+    x: &mut [f32],
+    row_len: usize,
+    w: &[f32],
+) -> Result<(), ModelError> {
+    let ops = cx.ops;
+    let eps = cx.cfg.rms_eps;
+    for_rows(cx.pool, x, row_len, |_, row| {
+        ops.rms_norm_in_place(row, w, eps, NormWeight::Plain)
+    })
+}
+
+/// Self-attention of one layer: RMSNorm → Q/K/V (+ biases) → QK-norm (per head, gemma3) →
+/// RoPE (the layer's table: sliding-window layers use [`Ctx::rope_swa`]) → K/V into the
+/// cache → attention over the cache (windowed where the layer slides) → output projection
+/// → post-norm (gemma3) → residual add.
 #[derive(Debug)]
 pub(crate) struct Attention {
     /// `blk.N.attn_norm.weight`.
@@ -144,6 +165,13 @@ pub(crate) struct Attention {
     pub bk: Option<Vec<f32>>,
     /// `blk.N.attn_v.bias` (qwen2).
     pub bv: Option<Vec<f32>>,
+    /// `blk.N.attn_q_norm.weight`, `head_dim` values applied to every query head (gemma3).
+    pub q_norm: Option<Vec<f32>>,
+    /// `blk.N.attn_k_norm.weight`, applied to every key head (gemma3).
+    pub k_norm: Option<Vec<f32>>,
+    /// `blk.N.post_attention_norm.weight`: RMSNorm of the block output before the residual add
+    /// (gemma3).
+    pub post_norm: Option<Vec<f32>>,
 }
 
 impl Attention {
@@ -187,9 +215,17 @@ impl Attention {
             m,
             &mut s.tmp,
         )?;
+        if let Some(w) = &self.q_norm {
+            rms_norm_heads(cx, q, qd, w)?;
+        }
+        if let Some(w) = &self.k_norm {
+            rms_norm_heads(cx, k, kvd, w)?;
+        }
         let ops = cx.ops;
         let positions = &s.positions[..m];
-        let (rope, style) = (cx.rope, cx.rope_style);
+        let sliding = cfg.layer_windows.get(layer).copied().flatten().is_some();
+        let rope = if sliding { cx.rope_swa } else { cx.rope };
+        let style = cx.rope_style;
         for (buf, width, bias, rotate) in [
             (&mut *q, qd, &self.bq, true),
             (&mut *k, kvd, &self.bk, true),
@@ -217,7 +253,10 @@ impl Attention {
             rows,
             q,
             out,
-            AttnParams::new(cfg.n_head, hd),
+            AttnParams {
+                n_head: cfg.n_head,
+                scale: cfg.attn_scale,
+            },
         )?;
         let idx = s.acts.quantize_for(cx.qk, &[&self.wo], out)?;
         matmuls(
@@ -231,13 +270,25 @@ impl Attention {
             m,
             &mut s.tmp,
         )?;
+        if let Some(w) = &self.post_norm {
+            rms_norm_heads(cx, &mut s.proj[..m * e], e, w)?;
+        }
         ops.add_in_place(&mut s.x[..m * e], &s.proj[..m * e])?;
         Ok(())
     }
 }
 
-/// The SwiGLU feed-forward block: RMSNorm → gate/up (one activation quantization) →
-/// `silu(gate) · up` → down → residual add.
+/// The gate activation of the feed-forward block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GateAct {
+    /// `silu(gate) · up` (llama, qwen2).
+    Silu,
+    /// `gelu_tanh(gate) · up` (gemma3).
+    GeluTanh,
+}
+
+/// The gated feed-forward block: RMSNorm → gate/up (one activation quantization) →
+/// `act(gate) · up` → down → post-norm (gemma3) → residual add.
 #[derive(Debug)]
 pub(crate) struct Mlp {
     /// `blk.N.ffn_norm.weight`.
@@ -248,6 +299,11 @@ pub(crate) struct Mlp {
     pub up: Matrix,
     /// `blk.N.ffn_down.weight`.
     pub down: Matrix,
+    /// The gate activation.
+    pub act: GateAct,
+    /// `blk.N.post_ffw_norm.weight`: RMSNorm of the block output before the residual add
+    /// (gemma3).
+    pub post_norm: Option<Vec<f32>>,
 }
 
 impl Mlp {
@@ -284,8 +340,10 @@ impl Mlp {
         )?;
         let ops = cx.ops;
         let up: &[f32] = up;
-        for_rows(cx.pool, gate, f, |i, g| {
-            ops.swiglu_in_place(g, &up[i * f..(i + 1) * f])
+        let act = self.act;
+        for_rows(cx.pool, gate, f, |i, g| match act {
+            GateAct::Silu => ops.swiglu_in_place(g, &up[i * f..(i + 1) * f]),
+            GateAct::GeluTanh => ops.geglu_in_place(g, &up[i * f..(i + 1) * f]),
         })?;
         let idx = s.acts.quantize_for(cx.qk, &[&self.down], gate)?;
         matmuls(
@@ -299,7 +357,48 @@ impl Mlp {
             m,
             &mut s.tmp,
         )?;
+        if let Some(w) = &self.post_norm {
+            rms_norm_heads(cx, &mut s.proj[..m * e], e, w)?;
+        }
         ops.add_in_place(&mut s.x[..m * e], &s.proj[..m * e])?;
         Ok(())
     }
+}
+
+/// The output head for the rows listed in `s.logit_rows` (in that order): final RMSNorm of
+/// their residual rows, then the output matmul into `logits` (`n_vocab` per row; cleared
+/// first, empty when no row wants logits).
+pub(crate) fn logits_head(
+    cx: &Ctx<'_>,
+    s: &mut ForwardScratch,
+    output_norm: &[f32],
+    output: &Matrix,
+    logits: &mut Vec<f32>,
+) -> Result<(), ModelError> {
+    let e = cx.cfg.n_embd;
+    let nl = s.logit_rows.len();
+    logits.clear();
+    if nl == 0 {
+        return Ok(());
+    }
+    if s.head.len() < nl * e {
+        s.head.resize(nl * e, 0.0);
+    }
+    for (i, &r) in s.logit_rows.iter().enumerate() {
+        s.xn[i * e..(i + 1) * e].copy_from_slice(&s.x[r * e..(r + 1) * e]);
+    }
+    rms_norm_rows(cx, &s.xn[..nl * e], output_norm, &mut s.head[..nl * e])?;
+    let idx = s.acts.quantize_for(cx.qk, &[output], &s.head[..nl * e])?;
+    logits.resize(nl * output.n, 0.0);
+    matmuls(
+        cx.pool,
+        cx.qk,
+        &mut [MatJob {
+            w: output,
+            acts: s.acts.get(idx[0]),
+            out: logits,
+        }],
+        nl,
+        &mut s.tmp,
+    )
 }

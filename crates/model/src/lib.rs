@@ -1,4 +1,4 @@
-//! Model architectures (llama, qwen2) as batched forwards over the CPU backend and a paged
+//! Model architectures (llama, qwen2, gemma3) as batched forwards over the CPU backend and a paged
 //! KV cache.
 //!
 //! A [`Model`] is loaded from a mapped GGUF file: the [`Config`] comes from the metadata,
@@ -35,11 +35,12 @@
 //!
 //! Layout: `config` (hyperparameters), `weights` (packed matrices, views, shape checks), `layers` (the
 //! shared attention and feed-forward blocks), one file per architecture (`llama`: llama
-//! and qwen2), `exec` (thread-pool matmuls split over N), `memory` (estimates).
+//! and qwen2; `gemma3`), `exec` (thread-pool matmuls split over N), `memory` (estimates).
 
 mod config;
 mod error;
 mod exec;
+mod gemma3;
 mod layers;
 mod llama;
 mod memory;

@@ -14,8 +14,7 @@
 
 use crate::ModelError;
 use crate::config::{Arch, Config};
-use crate::exec::{MatJob, matmuls};
-use crate::layers::{Attention, Ctx, ForwardScratch, Mlp, rms_norm_rows};
+use crate::layers::{Attention, Ctx, ForwardScratch, GateAct, Mlp, logits_head};
 use crate::weights::{Loader, Matrix, TensorView};
 use backend_cpu::{AttnRow, KvCache};
 use gguf::GgufFile;
@@ -79,12 +78,17 @@ impl Llama {
                 bq: bias(p("attn_q.bias"), qd)?,
                 bk: bias(p("attn_k.bias"), kvd)?,
                 bv: bias(p("attn_v.bias"), kvd)?,
+                q_norm: None,
+                k_norm: None,
+                post_norm: None,
             };
             let mlp = Mlp {
                 norm: l.vector(&p("ffn_norm.weight"), e)?,
                 gate: l.matrix(&p("ffn_gate.weight"), e, f)?,
                 up: l.matrix(&p("ffn_up.weight"), e, f)?,
                 down: l.matrix(&p("ffn_down.weight"), f, e)?,
+                act: GateAct::Silu,
+                post_norm: None,
             };
             blocks.push(Block { attn, mlp });
         }
@@ -133,38 +137,6 @@ impl Llama {
             b.attn.forward(cx, s, kv, layer, rows)?;
             b.mlp.forward(cx, s, m)?;
         }
-        // Output head, only for the rows that want logits.
-        let nl = s.logit_rows.len();
-        logits.clear();
-        if nl == 0 {
-            return Ok(());
-        }
-        if s.head.len() < nl * e {
-            s.head.resize(nl * e, 0.0);
-        }
-        for (i, &r) in s.logit_rows.iter().enumerate() {
-            s.xn[i * e..(i + 1) * e].copy_from_slice(&s.x[r * e..(r + 1) * e]);
-        }
-        rms_norm_rows(
-            cx,
-            &s.xn[..nl * e],
-            &self.output_norm,
-            &mut s.head[..nl * e],
-        )?;
-        let idx = s
-            .acts
-            .quantize_for(cx.qk, &[&self.output], &s.head[..nl * e])?;
-        logits.resize(nl * self.output.n, 0.0);
-        matmuls(
-            cx.pool,
-            cx.qk,
-            &mut [MatJob {
-                w: &self.output,
-                acts: s.acts.get(idx[0]),
-                out: logits,
-            }],
-            nl,
-            &mut s.tmp,
-        )
+        logits_head(cx, s, &self.output_norm, &self.output, logits)
     }
 }

@@ -3,6 +3,7 @@
 
 use crate::ModelError;
 use crate::config::{Arch, Config};
+use crate::gemma3::Gemma3;
 use crate::layers::{Ctx, ForwardScratch};
 use crate::llama::Llama;
 use backend_cpu::{
@@ -45,6 +46,8 @@ pub struct BatchRow {
 enum Weights {
     /// llama and qwen2.
     Llama(Llama),
+    /// gemma3.
+    Gemma3(Gemma3),
 }
 
 /// A loaded model: configuration, packed weights (and the mapped file), thread pool and
@@ -56,6 +59,8 @@ pub struct Model {
     weights: Weights,
     pool: ThreadPool,
     rope: RopeTable,
+    /// The table of the sliding-window layers where their base differs (gemma3).
+    rope_swa: Option<RopeTable>,
     n_ctx: usize,
     kv_type: KvType,
 }
@@ -75,6 +80,7 @@ impl Model {
         }
         let weights = match config.arch {
             Arch::Llama | Arch::Qwen2 => Weights::Llama(Llama::load(&config, &gguf)?),
+            Arch::Gemma3 => Weights::Gemma3(Gemma3::load(&config, &gguf)?),
         };
         let rope = RopeTable::new(
             f64::from(config.rope_base),
@@ -82,12 +88,25 @@ impl Model {
             f64::from(config.rope_scaling.factor()),
             n_ctx,
         )?;
+        // Sliding-window layers rotate with their own base and no scaling (llama.cpp's
+        // `rope_freq_base_train_swa`, `rope_freq_scale_train_swa = 1`).
+        let rope_swa = if config.max_window().is_some() {
+            Some(RopeTable::new(
+                f64::from(config.rope_base_swa),
+                config.n_rot,
+                1.0,
+                n_ctx,
+            )?)
+        } else {
+            None
+        };
         Ok(Model {
             gguf,
             config,
             weights,
             pool: ThreadPool::for_machine(opts.threads),
             rope,
+            rope_swa,
             n_ctx,
             kv_type: opts.kv_type,
         })
@@ -124,20 +143,28 @@ impl Model {
     pub fn weight_bytes(&self) -> usize {
         match &self.weights {
             Weights::Llama(w) => w.weight_bytes(),
+            Weights::Gemma3(w) => w.weight_bytes(),
         }
     }
 
     /// The KV-cache shape of this model with a pool of `max_tokens` token slots (rounded up
-    /// to whole blocks of [`DEFAULT_BLOCK_SIZE`]).
+    /// to whole blocks of [`DEFAULT_BLOCK_SIZE`]): one window per layer
+    /// ([`Config::layer_windows`]). Every pool gets `max_tokens` slots — a sliding group then
+    /// never runs out before the global one, whatever the caller does; callers that drop
+    /// blocks outside the window ([`KvCache::release_outside_window`]) may give the
+    /// sliding groups a smaller pool and grow it ([`KvCache::grow_pool`]), as the engine
+    /// does.
     pub fn kv_config(&self, max_tokens: usize) -> KvConfig {
+        let blocks = max_tokens.div_ceil(DEFAULT_BLOCK_SIZE);
+        let any_window = self.config.max_window().is_some();
         KvConfig {
             n_kv_head: self.config.n_head_kv,
             head_dim: self.config.head_dim,
             block_size: DEFAULT_BLOCK_SIZE,
             kv_type: self.kv_type,
-            windows: vec![None; self.config.n_layer],
-            global_blocks: max_tokens.div_ceil(DEFAULT_BLOCK_SIZE),
-            sliding_blocks: 0,
+            windows: self.config.layer_windows.clone(),
+            global_blocks: blocks,
+            sliding_blocks: if any_window { blocks } else { 0 },
         }
     }
 
@@ -210,11 +237,13 @@ impl Model {
             gguf: &self.gguf,
             cfg: &self.config,
             rope: &self.rope,
+            rope_swa: self.rope_swa.as_ref().unwrap_or(&self.rope),
             rope_style: self.config.arch.rope_style(),
         };
         let mut tokens = std::mem::take(&mut scratch.tokens);
         let result = match &self.weights {
             Weights::Llama(w) => w.forward(&cx, scratch, kv, &attn_rows, &tokens, logits_out),
+            Weights::Gemma3(w) => w.forward(&cx, scratch, kv, &attn_rows, &tokens, logits_out),
         };
         tokens.clear();
         scratch.tokens = tokens;

@@ -119,6 +119,12 @@ fn build(spec: &Spec) -> Arc<GgufFile> {
             tensor(&mut w, p("attn_k.bias"), KV * D, 1);
             tensor(&mut w, p("attn_v.bias"), KV * D, 1);
         }
+        if spec.arch == "gemma3" {
+            tensor(&mut w, p("attn_q_norm.weight"), D, 1);
+            tensor(&mut w, p("attn_k_norm.weight"), D, 1);
+            tensor(&mut w, p("post_attention_norm.weight"), E, 1);
+            tensor(&mut w, p("post_ffw_norm.weight"), E, 1);
+        }
         tensor(&mut w, p("ffn_norm.weight"), E, 1);
         tensor(&mut w, p("ffn_gate.weight"), E, F);
         tensor(&mut w, p("ffn_up.weight"), E, F);
@@ -353,4 +359,85 @@ fn memory_estimate_counts_weights_kv_and_scratch() {
     assert!(check_memory(&est, est.total).is_ok());
     let e = check_memory(&est, est.total - 1).unwrap_err();
     assert!(matches!(e, ModelError::InsufficientMemory { .. }), "{e}");
+}
+
+#[test]
+fn gemma3_windows_follow_llama_cpp_pattern_rules() {
+    let with = |extra: Vec<(&str, gguf::Value)>| {
+        let mut spec = Spec::new("gemma3");
+        spec.tied = true;
+        spec.extra = extra.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        load(&spec).map(|m| m.config().clone())
+    };
+    // No sliding_window: every layer global, one RoPE base.
+    let c = with(vec![]).unwrap();
+    assert_eq!(c.arch, Arch::Gemma3);
+    assert_eq!(c.layer_windows, vec![None; L]);
+    assert_eq!(c.attn_scale, 0.25, "1/sqrt(key_length 16)");
+    // The default period 6: layers 0..5 slide, so both of these.
+    let sw = ("gemma3.attention.sliding_window", gguf::Value::U32(8));
+    let c = with(vec![sw.clone()]).unwrap();
+    assert_eq!(c.layer_windows, vec![Some(8), Some(8)]);
+    assert_eq!(c.rope_base_swa, 10_000.0);
+    // Period 2: layer 1 (il % 2 == 1) is global.
+    let c = with(vec![
+        sw.clone(),
+        (
+            "gemma3.attention.sliding_window_pattern",
+            gguf::Value::U32(2),
+        ),
+        ("gemma3.rope.freq_base_swa", gguf::Value::F32(500.0)),
+    ])
+    .unwrap();
+    assert_eq!(c.layer_windows, vec![Some(8), None]);
+    assert_eq!(c.rope_base_swa, 500.0);
+    // A per-layer array wins; a wrong length is refused.
+    let arr = |v: Vec<bool>| gguf::Value::Array(gguf::Array::Bool(v));
+    let c = with(vec![
+        sw.clone(),
+        (
+            "gemma3.attention.sliding_window_pattern",
+            arr(vec![false, true]),
+        ),
+    ])
+    .unwrap();
+    assert_eq!(c.layer_windows, vec![None, Some(8)]);
+    let e = with(vec![
+        sw,
+        ("gemma3.attention.sliding_window_pattern", arr(vec![true])),
+    ])
+    .unwrap_err();
+    assert!(e.to_string().contains("sliding_window_pattern"), "{e}");
+}
+
+#[test]
+fn gemma3_synthetic_forward_is_finite_and_needs_its_extra_norms() {
+    let mut spec = Spec::new("gemma3");
+    spec.extra = vec![(
+        "gemma3.attention.sliding_window".into(),
+        gguf::Value::U32(8),
+    )];
+    let m = load(&spec).unwrap();
+    let mut kv = m.new_kv_cache(64).unwrap();
+    let mut seq = m.new_sequence(&kv);
+    let mut s = m.new_scratch();
+    let rows: Vec<BatchRow> = (0..20)
+        .map(|p| BatchRow {
+            seq: 0,
+            token: (p * 7 % V) as u32,
+            pos: p,
+            wants_logits: p == 19,
+        })
+        .collect();
+    let mut logits = Vec::new();
+    m.forward(&mut s, &mut kv, &mut [&mut seq], &rows, &mut logits)
+        .unwrap();
+    assert_eq!(logits.len(), V);
+    assert!(logits.iter().all(|x| x.is_finite()));
+    kv.release_sequence(seq);
+    spec.skip = Some("blk.1.post_ffw_norm.weight".into());
+    assert!(matches!(
+        load(&spec),
+        Err(ModelError::MissingTensor { name }) if name == "blk.1.post_ffw_norm.weight"
+    ));
 }

@@ -218,9 +218,24 @@ fn byte_decoder() -> std::collections::HashMap<char, u8> {
         .collect()
 }
 
-/// The vocabulary of a model (byte-level BPE).
+/// The bytes of a SentencePiece token (`tokenizer.ggml.model = "llama"`, gemma): `▁` is a
+/// space, byte tokens (type 6) are `<0xNN>`.
+fn spm_bytes(token: &str, token_type: i64) -> Vec<u8> {
+    if token_type == 6
+        && let Some(hex) = token.strip_prefix("<0x").and_then(|t| t.strip_suffix('>'))
+        && let Ok(b) = u8::from_str_radix(hex, 16)
+    {
+        return vec![b];
+    }
+    token.replace('\u{2581}', " ").into_bytes()
+}
+
+/// The vocabulary of a model (byte-level BPE, or SentencePiece for gemma).
 pub fn vocab(model: &Model) -> Vocab {
     let g = model.gguf();
+    let spm = g
+        .get_str("tokenizer.ggml.model")
+        .is_ok_and(|m| m == "llama");
     let dec = byte_decoder();
     let tokens = g
         .get_array("tokenizer.ggml.tokens")
@@ -235,10 +250,15 @@ pub fn vocab(model: &Model) -> Vocab {
     Vocab {
         bytes: tokens
             .iter()
-            .map(|t| {
-                t.chars()
-                    .map(|c| dec.get(&c).copied().unwrap_or(b'?'))
-                    .collect()
+            .zip(&types)
+            .map(|(t, &ty)| {
+                if spm {
+                    spm_bytes(t, ty)
+                } else {
+                    t.chars()
+                        .map(|c| dec.get(&c).copied().unwrap_or(b'?'))
+                        .collect()
+                }
             })
             .collect(),
         control: types.iter().map(|&t| t == 3).collect(),
