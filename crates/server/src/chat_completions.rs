@@ -16,6 +16,7 @@ use crate::request::{self, Job, MAX_TOP_LOGPROBS};
 use crate::run::{ChoiceResult, Run, RunEvent, TokenLogprob, collect};
 use crate::state::{AppState, unix_now};
 use crate::tools::ToolSetup;
+use crate::usage;
 
 /// What the response needs besides the run.
 #[derive(Debug, Clone)]
@@ -132,22 +133,9 @@ pub fn logprob_entry(t: &TokenLogprob) -> Value {
     })
 }
 
-/// `usage` of a completion: the prompt once, completions summed.
-pub fn usage_json(results: &[ChoiceResult]) -> Value {
-    let prompt = results.first().map_or(0, |r| r.usage.prompt_tokens);
-    let cached = results.first().map_or(0, |r| r.usage.cached_tokens);
-    let completion: usize = results.iter().map(|r| r.usage.completion_tokens).sum();
-    usage_value(prompt, completion, cached)
-}
-
-fn usage_value(prompt: usize, completion: usize, cached: usize) -> Value {
-    json!({
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-        "completion_tokens_details": {"reasoning_tokens": 0},
-    })
+/// The engine usage of each choice.
+pub fn choice_usages(results: &[ChoiceResult]) -> Vec<engine::Usage> {
+    results.iter().map(|r| r.usage).collect()
 }
 
 fn tool_call_json(state: &AppState, name: &str, body: &str, custom: bool) -> Value {
@@ -200,7 +188,7 @@ fn completion_body(state: &AppState, meta: &Meta, results: &[ChoiceResult]) -> V
         "system_fingerprint": meta.fingerprint,
         "seed": meta.seed,
         "choices": choices,
-        "usage": usage_json(results),
+        "usage": usage::chat_usage(&choice_usages(results)),
     })
 }
 
@@ -303,11 +291,8 @@ impl ChunkEncoder {
     }
 
     fn usage_chunk(&self) -> Value {
-        let prompt = self.usage.first().map_or(0, |u| u.prompt_tokens);
-        let cached = self.usage.first().map_or(0, |u| u.cached_tokens);
-        let completion = self.usage.iter().map(|u| u.completion_tokens).sum();
         let mut c = self.chunk(Vec::new());
-        c["usage"] = usage_value(prompt, completion, cached);
+        c["usage"] = usage::chat_usage(&self.usage);
         c
     }
 }

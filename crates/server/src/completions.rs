@@ -10,11 +10,12 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::api::{CompletionRequest, PromptSpec};
-use crate::chat_completions::{receiver_stream, usage_json};
+use crate::chat_completions::{choice_usages, receiver_stream};
 use crate::error::ApiError;
 use crate::request::{self, Job};
 use crate::run::{ChoiceResult, Run, RunEvent, TokenLogprob, collect};
 use crate::state::{AppState, unix_now};
+use crate::usage;
 
 /// Most alternatives per position for the legacy `logprobs` field.
 const MAX_LOGPROBS: u32 = 20;
@@ -184,7 +185,7 @@ fn body(head: &Head, results: &[ChoiceResult]) -> Value {
         })
         .collect();
     let mut b = head.object(choices);
-    b["usage"] = usage_json(results);
+    b["usage"] = usage::completion_usage(&choice_usages(results));
     b
 }
 
@@ -252,16 +253,8 @@ fn stream_response(
             }
         }
         if include_usage {
-            let prompt = usage.first().map_or(0, |u: &engine::Usage| u.prompt_tokens);
-            let cached = usage.first().map_or(0, |u| u.cached_tokens);
-            let completion: usize = usage.iter().map(|u| u.completion_tokens).sum();
             let mut c = head.object(Vec::new());
-            c["usage"] = json!({
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached},
-            });
+            c["usage"] = usage::completion_usage(&usage);
             if tx.send(send(c)).await.is_err() {
                 return;
             }

@@ -37,8 +37,9 @@ pub mod runtime;
 mod server;
 pub mod state;
 pub mod tools;
+pub mod usage;
 
 pub use error::ApiError;
 pub use runtime::{LoadError, ModelOptions, ServedModel};
-pub use server::{Server, serve_blocking, shutdown_signal};
+pub use server::{BackgroundServer, Server, serve_blocking, shutdown_signal};
 pub use state::ServerConfig;

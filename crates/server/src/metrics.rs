@@ -20,6 +20,15 @@ struct Histogram {
     sum: f64,
 }
 
+/// How the served model speculates, for the `lockstep_spec_*` gauges.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpecSetup {
+    /// Requests speculate.
+    pub enabled: bool,
+    /// A draft model is among the drafters.
+    pub draft_model: bool,
+}
+
 /// The server's counters. Cheap to update from any thread.
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -79,8 +88,9 @@ impl Metrics {
         self.sequences_failed.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The Prometheus text exposition.
-    pub fn render(&self, engine: &EngineMetrics) -> String {
+    /// The Prometheus text exposition: these counters plus `engine`'s snapshot; `spec` says
+    /// how the served model speculates.
+    pub fn render(&self, engine: &EngineMetrics, spec: SpecSetup) -> String {
         let mut out = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, value: String| {
             let _ = writeln!(out, "# HELP {name} {help}");
@@ -129,6 +139,19 @@ impl Metrics {
             "gauge",
             "Mean decode speed of finished sequences (tokens after the first / decode time).",
             format!("{tps:.3}"),
+        );
+        metric(
+            "lockstep_decode_tokens_total",
+            "counter",
+            "Tokens after the first of finished sequences (the numerator of the decode speed).",
+            load(&self.decode_tokens).to_string(),
+        );
+        metric(
+            "lockstep_decode_seconds_total",
+            "counter",
+            "Decode time of finished sequences (rate(decode_tokens) / rate(decode_seconds) is \
+             the recent decode speed).",
+            format!("{:.6}", us as f64 / 1e6),
         );
         metric(
             "lockstep_queue_depth",
@@ -190,6 +213,7 @@ impl Metrics {
             "KV cache blocks in the pool.",
             engine.kv_total_blocks.to_string(),
         );
+        render_spec(&mut metric, engine, spec);
         let _ = writeln!(
             out,
             "# HELP lockstep_http_requests_total HTTP requests by endpoint and status."
@@ -231,4 +255,87 @@ impl Metrics {
         }
         out
     }
+}
+
+/// The speculative-decoding counters of the engine (all requests, finished or not).
+fn render_spec(
+    metric: &mut impl FnMut(&str, &str, &str, String),
+    engine: &EngineMetrics,
+    setup: SpecSetup,
+) {
+    let s = &engine.spec;
+    metric(
+        "lockstep_spec_enabled",
+        "gauge",
+        "1 when requests speculate (--ngram, --draft or --spec auto), else 0.",
+        u8::from(setup.enabled).to_string(),
+    );
+    metric(
+        "lockstep_spec_draft_model_active",
+        "gauge",
+        "1 while a draft model is configured and the cost model lets it run.",
+        u8::from(setup.draft_model && engine.spec_draft_model_on).to_string(),
+    );
+    for (name, help, value) in [
+        (
+            "lockstep_spec_cycles_total",
+            "Speculative verify cycles (steps of a sequence with at least one draft row).",
+            s.cycles,
+        ),
+        (
+            "lockstep_spec_full_cycles_total",
+            "Verify cycles that accepted every draft.",
+            s.full,
+        ),
+        (
+            "lockstep_spec_partial_cycles_total",
+            "Verify cycles that accepted some but not all drafts.",
+            s.partial,
+        ),
+        (
+            "lockstep_spec_miss_cycles_total",
+            "Verify cycles that accepted no draft.",
+            s.miss,
+        ),
+        (
+            "lockstep_spec_drafted_tokens_total",
+            "Draft tokens verified.",
+            s.drafted,
+        ),
+        (
+            "lockstep_spec_accepted_tokens_total",
+            "Draft tokens accepted (the target chose them).",
+            s.accepted,
+        ),
+        (
+            "lockstep_spec_forced_tokens_total",
+            "Draft tokens forced by the grammar (fast-forward).",
+            s.forced,
+        ),
+        (
+            "lockstep_spec_no_draft_steps_total",
+            "Decode steps with speculation on in which nothing was proposed.",
+            s.no_draft,
+        ),
+        (
+            "lockstep_spec_scheduler_skips_total",
+            "Steps whose drafts were dropped for lack of row budget or KV blocks.",
+            s.sched_skips,
+        ),
+    ] {
+        metric(name, "counter", help, value.to_string());
+    }
+    metric(
+        "lockstep_spec_accept_rate",
+        "gauge",
+        "Accepted / drafted tokens since start (0 before any draft).",
+        format!("{:.6}", s.accept_rate()),
+    );
+    metric(
+        "lockstep_spec_time_saved_seconds",
+        "gauge",
+        "Estimated wall time saved against plain decoding since start (may be negative; \
+         method in the engine's SpecStats docs).",
+        format!("{:.6}", s.time_saved_us as f64 / 1e6),
+    );
 }

@@ -19,6 +19,7 @@ use crate::request::{self, Job};
 use crate::run::{Run, RunEvent};
 use crate::state::{AppState, unix_now};
 use crate::tools::{ToolMode, ToolSetup};
+use crate::usage;
 
 /// A stored response: the conversation up to and including its output, and its object.
 #[derive(Debug, Clone)]
@@ -466,13 +467,7 @@ impl Builder {
         };
         r["output"] = self.items.iter().map(|i| i.json(item_status)).collect();
         r["usage"] = if with_usage {
-            json!({
-                "input_tokens": self.usage.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": self.usage.cached_tokens},
-                "output_tokens": self.usage.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": self.usage.prompt_tokens + self.usage.completion_tokens,
-            })
+            usage::response_usage(std::slice::from_ref(&self.usage))
         } else {
             Value::Null
         };

@@ -56,7 +56,9 @@ async fn health(State(state): State<Shared>) -> Json<Value> {
 }
 
 async fn metrics(State(state): State<Shared>) -> Response {
-    let body = state.metrics.render(&state.model.engine.metrics());
+    let body = state
+        .metrics
+        .render(&state.model.engine.metrics(), state.model.spec_setup());
     (
         [(
             header::CONTENT_TYPE,

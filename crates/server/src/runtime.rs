@@ -5,18 +5,19 @@ use std::path::Path;
 use std::sync::Arc;
 
 use chat::{ChatTemplate, ToolCallFormat};
-use engine::{Engine, EngineConfig, ModelBackend};
+use engine::{Engine, EngineConfig, ModelBackend, SpecConfig};
 use grammar::TokenEnv;
 use sha2::{Digest, Sha256};
 use text::Tokenizer;
 
+use crate::metrics::SpecSetup;
 use crate::prompt::ChatPrompter;
 
 /// Context length used when none is given (capped at the trained context).
 pub const DEFAULT_CTX: usize = 4096;
 
 /// How to load and run the served model.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ModelOptions {
     /// The name the model is served under (`smollm2-135m`, or a file stem).
     pub name: String,
@@ -34,10 +35,14 @@ pub struct ModelOptions {
     pub kv_tokens: Option<usize>,
     /// Element type of the KV cache.
     pub kv_type: model::KvType,
+    /// Speculative decoding for every request (off by default). The output is identical
+    /// either way; with it on, each response's `usage` carries the request's counters.
+    pub spec: SpecConfig,
 }
 
 impl ModelOptions {
-    /// Options for serving `name` with the defaults: 8 sequences, a queue of 64.
+    /// Options for serving `name` with the defaults: 8 sequences, a queue of 64, no
+    /// speculation.
     pub fn new(name: impl Into<String>) -> ModelOptions {
         ModelOptions {
             name: name.into(),
@@ -48,7 +53,15 @@ impl ModelOptions {
             queue_capacity: 64,
             kv_tokens: None,
             kv_type: model::KvType::default(),
+            spec: SpecConfig::default(),
         }
+    }
+
+    /// The KV pool size in tokens for a context of `n_ctx`: [`ModelOptions::kv_tokens`],
+    /// else enough for the context twice and at least 16,384 (a draft model's KV pool is
+    /// sized the same way).
+    pub fn kv_pool_tokens(&self, n_ctx: usize) -> usize {
+        self.kv_tokens.unwrap_or_else(|| (2 * n_ctx).max(16_384))
     }
 }
 
@@ -96,6 +109,7 @@ pub struct ServedModel {
     aliases: Vec<String>,
     fingerprint: String,
     created: u64,
+    spec: SpecSetup,
 }
 
 impl std::fmt::Debug for ServedModel {
@@ -144,12 +158,12 @@ impl ServedModel {
                 n_ctx: Some(n_ctx),
             },
         )?;
-        let kv_tokens = opts.kv_tokens.unwrap_or_else(|| (2 * n_ctx).max(16_384));
         let cfg = EngineConfig {
             max_seqs: opts.max_seqs,
-            kv_tokens,
+            kv_tokens: opts.kv_pool_tokens(n_ctx),
             queue_capacity: opts.queue_capacity,
             context_len: n_ctx,
+            spec: opts.spec.clone(),
             ..EngineConfig::default()
         };
         let engine = Engine::start(
@@ -193,6 +207,10 @@ impl ServedModel {
             aliases,
             fingerprint,
             created,
+            spec: SpecSetup {
+                enabled: opts.spec.is_on(),
+                draft_model: opts.spec.is_on() && opts.spec.drafters.draft_model.is_some(),
+            },
         })
     }
 
@@ -219,6 +237,16 @@ impl ServedModel {
     /// The context length in effect.
     pub fn context_len(&self) -> usize {
         self.engine.context_len()
+    }
+
+    /// Whether requests speculate (the engine's speculation is on).
+    pub fn speculates(&self) -> bool {
+        self.spec.enabled
+    }
+
+    /// How requests speculate (for `/metrics`).
+    pub fn spec_setup(&self) -> SpecSetup {
+        self.spec
     }
 
     /// The engine (metrics, submission).
@@ -276,6 +304,10 @@ fn chat_template(
     tokenizer: &Tokenizer,
 ) -> Result<Option<ChatTemplate>, LoadError> {
     let Some(source) = file.get("tokenizer.chat_template").and_then(|v| v.as_str()) else {
+        // DeepSeek ships V4's chat encoding as Python, not Jinja: use the built-in one.
+        if file.architecture().ok() == Some("deepseek4") {
+            return Ok(Some(ChatTemplate::deepseek_v4()));
+        }
         return Ok(None);
     };
     let text_of = |id: Option<u32>| {

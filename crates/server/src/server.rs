@@ -120,3 +120,70 @@ pub fn serve_blocking(
         server.serve(shutdown_signal()).await
     })
 }
+
+/// A server on a thread (and tokio runtime) of its own, for callers without a runtime that
+/// need to stop it themselves (benchmarks, embedding). Stops gracefully on
+/// [`BackgroundServer::shutdown`] or drop.
+#[derive(Debug)]
+pub struct BackgroundServer {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+impl BackgroundServer {
+    /// Binds `addr` (port 0 picks a free port) and starts serving `model`.
+    pub fn start(
+        addr: SocketAddr,
+        model: Arc<ServedModel>,
+        config: ServerConfig,
+    ) -> std::io::Result<BackgroundServer> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_name("lockstep-http")
+            .build()?;
+        let server = runtime.block_on(Server::bind(addr, model, config))?;
+        let addr = server.local_addr()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("lockstep-serve".into())
+            .spawn(move || {
+                runtime.block_on(server.serve(async move {
+                    let _ = stopped.await;
+                }))
+            })?;
+        Ok(BackgroundServer {
+            addr,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting, lets in-flight requests finish (within the grace period) and waits
+    /// for the server thread.
+    pub fn shutdown(mut self) -> std::io::Result<()> {
+        self.stop_and_join()
+    }
+
+    fn stop_and_join(&mut self) -> std::io::Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.thread.take().map(std::thread::JoinHandle::join) {
+            None => Ok(()),
+            Some(Ok(result)) => result,
+            Some(Err(_)) => Err(std::io::Error::other("the server thread panicked")),
+        }
+    }
+}
+
+impl Drop for BackgroundServer {
+    fn drop(&mut self) {
+        let _ = self.stop_and_join();
+    }
+}

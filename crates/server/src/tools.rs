@@ -199,6 +199,26 @@ impl ToolSetup {
     pub fn calls_lark(&self, format: &dyn ToolCallFormat) -> Result<String, ApiError> {
         let mut out = String::new();
         let tools = self.callable();
+        // Formats with their own calls grammar (DSML): function tools only.
+        let functions: Vec<(&str, &Value)> = tools
+            .iter()
+            .filter_map(|t| match &t.kind {
+                ToolKind::Function { parameters } => Some((t.name.as_str(), parameters)),
+                ToolKind::Custom { .. } => None,
+            })
+            .collect();
+        if let Some(lark) = format.calls_lark(&functions, self.parallel) {
+            if functions.len() < tools.len() {
+                return Err(ApiError::invalid(
+                    "tools",
+                    format!(
+                        "custom tools are not supported with the {} tool-call format",
+                        format.name()
+                    ),
+                ));
+            }
+            return lark.map_err(|e| ApiError::invalid("tools", e));
+        }
         let names: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
         if self.parallel {
             out.push_str("calls: call (\"\\n\" call)*\n");

@@ -19,8 +19,19 @@ impl TestServer {
 }
 
 fn load(name: &str, max_seqs: usize, queue: usize) -> Arc<ServedModel> {
+    load_with(name, max_seqs, queue, engine::SpecConfig::default())
+}
+
+/// Loads `name` for a test server, with speculation `spec`.
+pub fn load_with(
+    name: &str,
+    max_seqs: usize,
+    queue: usize,
+    spec: engine::SpecConfig,
+) -> Arc<ServedModel> {
     let path = hub::ensure_model(name).expect("model available");
     let mut opts = ModelOptions::new(name);
+    opts.spec = spec;
     opts.max_seqs = max_seqs;
     opts.queue_capacity = queue;
     opts.ctx_size = Some(2048);

@@ -8,4 +8,5 @@ mod concurrency;
 mod errors;
 mod openai_sdk;
 mod responses;
+mod spec;
 mod tools;
