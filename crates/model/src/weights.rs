@@ -108,7 +108,8 @@ impl<'a> Loader<'a> {
         self.gguf.tensor(name).is_some()
     }
 
-    /// The matrix `name` with `dims = [k, n]`, packed for the matmul kernels.
+    /// The matrix `name` with `dims = [k, n]`, packed for the matmul kernels; the file's
+    /// pages of the tensor are released from the resident set once copied.
     pub fn matrix(&self, name: &str, k: usize, n: usize) -> Result<Matrix, ModelError> {
         let v = self.view(name, k, n)?;
         let packed = PackedMatrix::pack(v.format, v.bytes(self.gguf), n, k).map_err(|e| {
@@ -118,6 +119,11 @@ impl<'a> Loader<'a> {
                 why: format!(": packing: {e}"),
             }
         })?;
+        // The packed copy is what the forward reads: the mapped pages of the original leave
+        // the resident set (views such as the embedding lookup fault rows back in on use).
+        if let Ok((_, t)) = self.info(name) {
+            self.gguf.release_tensor_pages(t);
+        }
         Ok(Matrix {
             name: v.name,
             format: v.format,
