@@ -60,6 +60,8 @@ impl Default for JsonWhitespace {
 pub struct Constraint {
     source: ConstraintSource,
     think: bool,
+    /// The prompt already wrote the opening `<think>`: the output starts inside the block.
+    think_opened: bool,
     json_whitespace: JsonWhitespace,
 }
 
@@ -76,6 +78,18 @@ think_text[lazy]: /(?s:.*)<\/think>/
 THINK_GAP: /\n{1,2}/
 "#;
 
+/// [`THINK_SPECIAL`] for an output that starts inside the block (the prompt opened it).
+const THINK_SPECIAL_OPENED: &str = r#"start: THINK_TEXT </think> THINK_GAP? @constraint
+THINK_TEXT: /(?s:.*)/
+THINK_GAP: /\n{1,2}/
+"#;
+
+/// [`THINK_TEXT`] for an output that starts inside the block (the prompt opened it).
+const THINK_TEXT_OPENED: &str = r#"start: think_text THINK_GAP? @constraint
+think_text[lazy]: /(?s:.*)<\/think>/
+THINK_GAP: /\n{1,2}/
+"#;
+
 const CONSTRAINT_NAME: &str = "constraint";
 
 impl Constraint {
@@ -85,6 +99,7 @@ impl Constraint {
         Constraint {
             source,
             think: false,
+            think_opened: false,
             json_whitespace: JsonWhitespace::default(),
         }
     }
@@ -124,6 +139,17 @@ impl Constraint {
     /// thoughts end at the first `</think>`.
     pub fn with_think(mut self, think: bool) -> Constraint {
         self.think = think;
+        self.think_opened = false;
+        self
+    }
+
+    /// A reasoning segment as in [`Constraint::with_think`], for a prompt that already
+    /// ends with the opening `<think>` (chat templates that write it into the generation
+    /// prompt): the output starts inside the thoughts, then `</think>`, up to two newlines
+    /// and the constraint.
+    pub fn with_think_opened(mut self) -> Constraint {
+        self.think = true;
+        self.think_opened = true;
         self
     }
 
@@ -141,6 +167,11 @@ impl Constraint {
     /// Whether a think block precedes the constraint.
     pub fn think(&self) -> bool {
         self.think
+    }
+
+    /// Whether the output starts inside the think block ([`Constraint::with_think_opened`]).
+    pub fn think_opened(&self) -> bool {
+        self.think_opened
     }
 
     fn json_options(&self) -> Result<JsonCompileOptions, GrammarError> {
@@ -242,7 +273,12 @@ impl Constraint {
         }
         let special =
             env.special_token("<think>").is_some() && env.special_token("</think>").is_some();
-        let wrapper = if special { THINK_SPECIAL } else { THINK_TEXT };
+        let wrapper = match (special, self.think_opened) {
+            (true, false) => THINK_SPECIAL,
+            (false, false) => THINK_TEXT,
+            (true, true) => THINK_SPECIAL_OPENED,
+            (false, true) => THINK_TEXT_OPENED,
+        };
         inner.name = Some(CONSTRAINT_NAME.to_string());
         let mut outer = GrammarWithLexer::from_lark(wrapper.to_string());
         outer.name = Some("think".to_string());
@@ -306,7 +342,9 @@ impl Constraint {
         let mut words = env.allowed_words().to_vec();
         let mut named: Vec<u32> = Vec::new();
         if self.think {
-            named.extend(env.special_token("<think>"));
+            if !self.think_opened {
+                named.extend(env.special_token("<think>"));
+            }
             named.extend(env.special_token("</think>"));
         }
         if let ConstraintSource::Lark(text) = &self.source {

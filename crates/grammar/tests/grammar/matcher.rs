@@ -240,6 +240,29 @@ fn think_block_with_text_markers_precedes_the_constraint() {
     assert!(eos_allowed(m, &mut matcher));
 }
 
+#[test]
+fn think_block_opened_by_the_prompt_starts_inside_the_thoughts() {
+    let m = qwen();
+    let compiled = compile(m, &Constraint::regex("[0-9]+").with_think_opened());
+    let mut matcher = compiled.matcher();
+    assert_eq!(
+        feed_text(m, &mut matcher, "\nSix times seven.\n</think>\n\n42"),
+        None
+    );
+    assert!(eos_allowed(m, &mut matcher));
+    let mut matcher = compiled.matcher();
+    assert!(
+        feed_text(m, &mut matcher, "42").is_none() && !eos_allowed(m, &mut matcher),
+        "an answer before </think> was accepted as complete"
+    );
+    let mut matcher = compiled.matcher();
+    let rejected = feed_text(m, &mut matcher, "a</think>b</think>1").is_some();
+    assert!(rejected, "a second </think> was accepted as the answer");
+    // `with_think` after `with_think_opened` asks for the whole block again.
+    let full = Constraint::regex("1").with_think_opened().with_think(true);
+    assert!(full.think() && !full.think_opened());
+}
+
 /// GPT-2's byte-to-unicode map.
 fn byte_char(b: u8) -> char {
     let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
