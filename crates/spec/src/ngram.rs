@@ -8,8 +8,11 @@
 //! supplies the syntax between them; the syntax never occurs in the prompt, so a lookup
 //! keyed on it finds the previous record's value, while the cursor points at the next one.
 //! Under a constraint the cursor is tried first, skipping up to [`CURSOR_SKIP`] prompt
-//! tokens the grammar rejects there (separators such as `,` or a newline); without one it
-//! is the fallback when the lookup finds nothing.
+//! tokens the grammar rejects there or that proved to be delimiters (a cursor copy whose
+//! first token the target skipped for the next prompt token: `,` inside a JSON string);
+//! without a constraint it is the fallback when the lookup finds nothing. The cursor
+//! re-aligns after tokens the target wrote itself by anchoring on the most recent of them
+//! found just ahead of it in the prompt.
 
 use crate::drafter::{DraftContext, DraftProposal, Drafter, DrafterKind, Mirror};
 
@@ -31,9 +34,13 @@ impl Default for NgramConfig {
 
 /// Prompt tokens the cursor may skip to reach one the grammar accepts.
 pub const CURSOR_SKIP: usize = 4;
-/// How far ahead of the cursor the last committed token is looked for, to re-align the
-/// cursor after tokens the target produced itself.
+/// How far ahead of the cursor committed tokens are looked for, to re-align the cursor
+/// after tokens the target produced itself.
 pub const CURSOR_SYNC: usize = 16;
+/// How many of the last committed tokens may anchor that re-alignment.
+pub const CURSOR_ANCHOR: usize = 8;
+/// Most delimiter tokens learned per sequence.
+const MAX_DELIMITERS: usize = 8;
 
 /// A copy proposed this cycle: drafts at `base..` were copied from `src..` (`len` tokens)
 /// while the prompt was `prompt_len` tokens.
@@ -43,6 +50,8 @@ struct Copy {
     base: usize,
     len: usize,
     prompt_len: usize,
+    /// Proposed from the prompt cursor (not by the lookup).
+    cursor: bool,
 }
 
 /// The n-gram / prompt-lookup drafter.
@@ -53,6 +62,10 @@ pub struct NgramDrafter {
     cursor: Option<usize>,
     /// Copies proposed since the last `observe`.
     pending: Vec<Copy>,
+    /// Prompt tokens learned to be delimiters: a cursor copy starting with one was
+    /// rejected and the target took the prompt token after it instead (`,` between CSV
+    /// fields, a newline between rows). The cursor skips them.
+    delimiters: Vec<u32>,
 }
 
 impl NgramDrafter {
@@ -66,6 +79,7 @@ impl NgramDrafter {
             },
             cursor: None,
             pending: Vec::new(),
+            delimiters: Vec::new(),
         }
     }
 
@@ -111,6 +125,7 @@ impl NgramDrafter {
                 base: ctx.tokens.len(),
                 len: out.tokens.len(),
                 prompt_len: ctx.prompt_len,
+                cursor: limit != usize::MAX,
             });
         }
         out
@@ -128,16 +143,22 @@ impl NgramDrafter {
             return DraftProposal::default();
         };
         let end = ctx.prompt_len.min(ctx.tokens.len());
-        // Tokens the target chose itself may already have copied past the cursor (a bonus
-        // token, a plain step): if the last token occurs within the next CURSOR_SYNC
-        // prompt tokens, continue after its nearest occurrence.
-        if let Some(&last) = ctx.tokens.last()
-            && let Some(p) = (c..(c + CURSOR_SYNC).min(end)).find(|&p| ctx.tokens[p] == last)
-        {
-            c = p + 1;
+        // Tokens the target chose itself may already have copied past the cursor (bonus
+        // tokens, plain steps), possibly followed by syntax of its own: the most recent of
+        // the last CURSOR_ANCHOR tokens that occurs within the next CURSOR_SYNC prompt
+        // tokens anchors the cursor just after its nearest occurrence.
+        let window = c..(c + CURSOR_SYNC).min(end);
+        let n = ctx.tokens.len();
+        for back in 0..CURSOR_ANCHOR.min(n.saturating_sub(end)) {
+            let t = ctx.tokens[n - 1 - back];
+            if let Some(p) = window.clone().find(|&p| ctx.tokens[p] == t) {
+                c = p + 1;
+                break;
+            }
         }
         for start in c..(c + CURSOR_SKIP + 1).min(end) {
-            if mirror.accepts(ctx.tokens[start]) {
+            let t = ctx.tokens[start];
+            if !self.delimiters.contains(&t) && mirror.accepts(t) {
                 return self.copy_from(ctx, mirror, start, k, end);
             }
         }
@@ -211,6 +232,19 @@ impl Drafter for NgramDrafter {
             }
             if j > 0 && c.src < c.prompt_len {
                 self.cursor = Some(c.src + j);
+            } else if j == 0
+                && c.cursor
+                && c.src + 1 < c.prompt_len
+                && c.base < committed.len()
+                && committed[c.base] == committed[c.src + 1]
+            {
+                // The target skipped the cursor's first token and took the next prompt
+                // token: the skipped one separates values.
+                let d = committed[c.src];
+                if !self.delimiters.contains(&d) && self.delimiters.len() < MAX_DELIMITERS {
+                    self.delimiters.push(d);
+                }
+                self.cursor = Some(c.src + 2);
             }
         }
     }
@@ -362,6 +396,34 @@ mod cursor_tests {
         toks.extend([4, 62]);
         d.observe(&toks);
         assert_eq!(d.cursor(), Some(5));
+        let mut g = NoSeparators;
+        let mut m = Mirror::new(&mut g, 200);
+        let prop = d.propose(&ctx(&toks, prompt.len(), &p, &never), &mut m);
+        assert_eq!(prop.tokens, vec![5]);
+    }
+
+    #[test]
+    fn a_skipped_first_token_is_learned_as_a_delimiter() {
+        let p = SamplingParams::greedy();
+        let never = TokenMask::new(0);
+        // Prompt "1 2 , 3 4 , 5" with "," = 50, which the grammar accepts (inside a string).
+        let prompt = [1u32, 2, 50, 3, 4, 50, 5];
+        let mut toks: Vec<u32> = prompt.to_vec();
+        toks.extend([60, 1]);
+        let mut d = NgramDrafter::new(NgramConfig::default());
+        d.cursor = Some(2);
+        let mut g = NoSeparators;
+        let mut m = Mirror::new(&mut g, 200);
+        let prop = d.propose(&ctx(&toks, prompt.len(), &p, &never), &mut m);
+        assert_eq!(prop.tokens, vec![50, 3, 4, 50, 5]);
+        // The target rejects "," and writes "3" itself: "," is learned, the cursor moves on.
+        toks.push(3);
+        d.observe(&toks);
+        assert_eq!(d.delimiters, vec![50]);
+        assert_eq!(d.cursor(), Some(4));
+        // Later the cursor stands on a "," again: it is skipped.
+        d.cursor = Some(5);
+        toks.push(61);
         let mut g = NoSeparators;
         let mut m = Mirror::new(&mut g, 200);
         let prop = d.propose(&ctx(&toks, prompt.len(), &p, &never), &mut m);
