@@ -39,7 +39,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect();
     model.forward(&mut scratch, &mut kv, &mut [&mut seq], &rows, &mut logits)?;
-    println!("{name}: {} threads, {reps} reps (median)", model.n_threads());
+    println!(
+        "{name}: {} threads, {reps} reps (median)",
+        model.n_threads()
+    );
     println!("| M | ms | t(M)/t(1) | ms per row |\n| -: | -: | -: | -: |");
     let mut t1 = 0.0;
     // Rounds over all M, so slow phases of a noisy machine spread over every M.

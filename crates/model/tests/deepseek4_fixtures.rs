@@ -36,8 +36,16 @@ fn every_fixture_matches_its_manifest() {
         let name = f["name"].as_str().unwrap();
         let path = dir().join(f["gguf"].as_str().unwrap());
         let bytes = std::fs::read(&path).unwrap();
-        assert_eq!(bytes.len() as u64, f["gguf_bytes"].as_u64().unwrap(), "{name}");
-        assert_eq!(sha256_hex(&bytes), f["gguf_sha256"].as_str().unwrap(), "{name}");
+        assert_eq!(
+            bytes.len() as u64,
+            f["gguf_bytes"].as_u64().unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            sha256_hex(&bytes),
+            f["gguf_sha256"].as_str().unwrap(),
+            "{name}"
+        );
 
         let gguf = gguf::GgufFile::open(&path).unwrap();
         assert_eq!(
@@ -63,7 +71,10 @@ fn every_fixture_matches_its_manifest() {
             assert_eq!(info.dims, shape, "{name}: {tname}");
         }
         for (key, want) in f["gguf_metadata"].as_object().unwrap() {
-            assert!(gguf.get(key).is_some(), "{name}: metadata {key} ({want}) missing");
+            assert!(
+                gguf.get(key).is_some(),
+                "{name}: metadata {key} ({want}) missing"
+            );
         }
 
         for s in f["sequences"].as_array().unwrap() {
