@@ -27,6 +27,11 @@ pub struct ModelArgs {
     /// Element type of the KV cache
     #[arg(long = "kv-type", value_enum, default_value_t = KvTypeArg::F16)]
     pub kv_type: KvTypeArg,
+
+    /// Where the forward runs: cpu, cuda, cuda:N, or auto (CUDA when this build has it and
+    /// a device opens, else the CPU)
+    #[arg(long = "device", value_name = "DEVICE", default_value_t = crate::device::DeviceArg::Auto)]
+    pub device: crate::device::DeviceArg,
 }
 
 impl ModelArgs {

@@ -61,6 +61,12 @@ pub struct BenchArgs {
     #[arg(long = "spec")]
     pub spec: bool,
 
+    /// Structured-output cost bench instead: grammar compile time, per-token mask time
+    /// (mean, p99) and decode tokens/s constrained vs unconstrained, alternating A/B runs,
+    /// for a nested JSON Schema (first -m; -r pairs; first -n caps the tokens)
+    #[arg(long = "constraint", conflicts_with = "spec")]
+    pub constraint: bool,
+
     /// With --spec: also bench this draft model (same tokenizer as the target)
     #[arg(long = "draft", value_name = "MODEL", requires = "spec")]
     pub draft: Option<String>,
@@ -79,6 +85,10 @@ pub struct BenchArgs {
         requires = "spec"
     )]
     pub spec_max_draft: usize,
+
+    /// `--serve` (HTTP server load bench) and its flags.
+    #[command(flatten)]
+    pub serve: crate::serve_bench::ServeBenchArgs,
 }
 
 /// `--output` of `lockstep bench`.
@@ -179,6 +189,37 @@ pub fn kernel_set_name() -> String {
 /// Runs `lockstep bench`, writing results to `out` as they complete (md, csv) or at the end
 /// (json).
 pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    if args.serve.serve {
+        let setup = crate::serve_bench::ServeBenchSetup {
+            model: args
+                .models
+                .first()
+                .cloned()
+                .unwrap_or_else(|| DEFAULT_MODEL.into()),
+            threads: args.threads.first().copied(),
+            max_tokens: args.n_gen.first().copied().unwrap_or(128),
+            json: args.output == BenchOutput::Json,
+        };
+        return crate::serve_bench::run(&args.serve, &setup, out);
+    }
+    if args.constraint {
+        let gb = crate::grammar_bench::GrammarBenchArgs {
+            model: args
+                .models
+                .first()
+                .cloned()
+                .unwrap_or_else(|| DEFAULT_MODEL.into()),
+            threads: args.threads.first().copied(),
+            max_tokens: args
+                .n_gen
+                .first()
+                .copied()
+                .filter(|&n| n > 0)
+                .unwrap_or(512),
+            repetitions: args.repetitions,
+        };
+        return crate::grammar_bench::run(&gb, args.output == BenchOutput::Json, out);
+    }
     if args.spec {
         let sb = crate::spec_bench::SpecBenchArgs {
             model: args
@@ -303,8 +344,10 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
                     let bound = bw * 1e9 / b as f64;
                     let cache = membw::last_level_cache_bytes();
                     let applies = match cache {
-                        Some(c) if b <= c => "weights fit in the last-level cache: the bound \
-                                              does not apply",
+                        Some(c) if b <= c => {
+                            "weights fit in the last-level cache: the bound \
+                                              does not apply"
+                        }
                         Some(_) => "weights exceed the last-level cache: the bound applies",
                         None => "last-level cache size unknown",
                     };

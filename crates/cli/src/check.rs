@@ -12,6 +12,7 @@ use clap::Args;
 use sha2::{Digest, Sha256};
 
 use crate::args::{ModelArgs, SamplingArgs, StopArgs};
+use crate::constraint_args::ConstraintArgs;
 use crate::session::{self, PromptArgs, Session};
 
 /// Arguments of `lockstep check`.
@@ -25,6 +26,8 @@ pub struct CheckArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     stop: StopArgs,
+    #[command(flatten)]
+    constraint: ConstraintArgs,
 }
 
 /// Lowercase hex of `bytes`.
@@ -48,10 +51,16 @@ pub fn final_line(lines: &str) -> String {
 
 /// Runs `lockstep check`.
 pub fn run(args: &CheckArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    let requested = args.constraint.prepare()?;
     let session = Session::open(&args.model, args.prompt.chat)?;
     let prompt = session.prompt_tokens(&args.prompt)?;
+    let grammar = match &requested {
+        Some(r) => Some(r.compile(&session, args.prompt.chat, &prompt)?),
+        None => None,
+    };
     let seed = args.sampling.seed_or_random();
     let mut req = session::request(prompt, &args.sampling, &args.stop, seed)?;
+    req.constraint = grammar.as_ref().map(|g| g.request_constraint());
     req.logit_digests = true;
     let mut lines = String::new();
     let generation = session.generate(req, |ev| {

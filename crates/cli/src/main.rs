@@ -7,6 +7,9 @@ mod args;
 mod bench;
 mod chat;
 mod check;
+mod constraint_args;
+mod device;
+mod grammar_bench;
 mod inspect;
 mod load;
 mod membw;
@@ -16,9 +19,11 @@ mod prompt;
 mod pull;
 mod run;
 mod serve;
+mod serve_bench;
 mod session;
 mod spec_args;
 mod spec_bench;
+mod synth;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -42,8 +47,12 @@ Examples:
   lockstep run -p \"The capital of France is\"   continue a prompt (greedy)
   lockstep run --chat -p \"Write a haiku\" --temp 0.8
   lockstep chat -m qwen2.5-coder-0.5b          talk; /reset, /exit
+  lockstep run -m qwen2.5-coder-0.5b --chat -p \"Describe Ada Lovelace\" --json-schema person.json
+                                     structured output (also --json, --regex, --grammar, --choice)
   lockstep check -p \"Hello\" -n 32 > a.txt     logit hashes to diff between runs
   lockstep bench                               pp512 / tg128 tokens per second
+  lockstep serve --ngram                       OpenAI-compatible API, every request speculating
+  lockstep bench --serve                       server load: tokens/s, TTFT at 1/4/16 clients
 
 Environment:
   LOCKSTEP_HOME      cache root (default: $XDG_CACHE_HOME/lockstep, else ~/.cache/lockstep)
@@ -86,6 +95,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Serve the OpenAI-compatible HTTP API (chat completions, completions, responses)
     Serve(serve::ServeArgs),
+    /// Write a model with a real model's shapes, formats and tokenizer and random weights
+    Synth(synth::SynthArgs),
 }
 
 /// Arguments of `lockstep inspect`.
@@ -107,6 +118,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Check(args) => check::run(&args, &mut out),
         Command::Bench(args) => bench::run(&args, &mut out),
         Command::Serve(args) => serve::run(&args, &mut out),
+        Command::Synth(args) => synth::run(&args, &mut out),
         Command::Inspect(args) => {
             let path = model_arg::resolve(&args.model)?;
             inspect::run(&path, &mut out)

@@ -51,7 +51,10 @@ fn sum_words(part: &[u64]) -> u64 {
             *a = a.wrapping_add(x);
         }
     }
-    let tail = chunks.remainder().iter().fold(0u64, |a, &x| a.wrapping_add(x));
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(0u64, |a, &x| a.wrapping_add(x));
     acc.iter().fold(tail, |a, &x| a.wrapping_add(x))
 }
 

@@ -7,6 +7,7 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 
 use crate::args::{ModelArgs, SamplingArgs, StopArgs};
+use crate::constraint_args::ConstraintArgs;
 use crate::session::{self, Generation, PromptArgs, Session};
 use crate::spec_args::{SpecArgs, SpecReport};
 
@@ -23,12 +24,14 @@ pub struct RunArgs {
     stop: StopArgs,
     #[command(flatten)]
     spec: SpecArgs,
+    #[command(flatten)]
+    constraint: ConstraintArgs,
 
     /// Output: the text as it is generated, or one JSON object (the last line of stdout)
     /// with prompt_tokens, tokens, logprobs, text, finish_reason ("stop" or "length"),
     /// seed, timings {prompt_ms, prompt_tokens_per_second, gen_ms, tokens_per_second
-    /// (tokens after the first over gen_ms), ttft_ms} and, with --top-logprobs,
-    /// top_logprobs
+    /// (tokens after the first over gen_ms), ttft_ms}, with --top-logprobs top_logprobs,
+    /// and with a structured-output flag grammar_compile_ms
     #[arg(short = 'o', long = "output", value_enum, default_value_t = RunOutput::Text)]
     output: RunOutput,
 
@@ -63,6 +66,9 @@ struct RunReport<'a> {
     top_logprobs: Option<Vec<Vec<(u32, f32)>>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     spec: Option<SpecReport>,
+    /// Wall time of compiling the structured-output constraint, when one was given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    grammar_compile_ms: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -88,10 +94,16 @@ impl RunTimings {
 
 /// Runs `lockstep run`.
 pub fn run(args: &RunArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    let requested = args.constraint.prepare()?;
     let session = Session::open_with_spec(&args.model, args.prompt.chat, Some(&args.spec))?;
     let prompt = session.prompt_tokens(&args.prompt)?;
+    let grammar = match &requested {
+        Some(r) => Some(r.compile(&session, args.prompt.chat, &prompt)?),
+        None => None,
+    };
     let seed = args.sampling.seed_or_random();
     let mut req = session::request(prompt, &args.sampling, &args.stop, seed)?;
+    req.constraint = grammar.as_ref().map(|g| g.request_constraint());
     req.logprobs = args.top_logprobs.map(usize::from);
     let json = args.output == RunOutput::Json;
     let mut steps: Vec<Vec<(u32, f32)>> = Vec::new();
@@ -121,6 +133,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> anyhow::Result<()> {
                 .as_ref()
                 .filter(|_| args.spec.stats)
                 .map(SpecReport::of),
+            grammar_compile_ms: grammar.as_ref().map(|g| g.compile_ms),
         };
         writeln!(out, "{}", serde_json::to_string(&report)?)?;
     } else {

@@ -10,9 +10,20 @@ use clap::Args;
 
 use crate::args::ModelArgs;
 use crate::load;
+use crate::spec_args::{SpecArgs, SpecReport};
 
 /// Arguments of `lockstep serve`.
 #[derive(Debug, Clone, Args)]
+#[command(after_help = "\
+With --ngram [N], --draft MODEL or --spec auto every request speculates; the output is
+identical to plain decoding, and each response's usage gains a `speculative` object with
+the request's counters (cycles, drafted, accepted, accept_rate, ...). /metrics exposes the
+totals as lockstep_spec_*.
+
+Examples:
+  lockstep serve -m qwen2.5-coder-0.5b --port 8080
+  lockstep serve -m qwen2.5-coder-1.5b --ngram --max-seqs 16
+  lockstep bench --serve -m smollm2-135m      load benchmark: t/s and TTFT at 1/4/16 clients")]
 pub struct ServeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
@@ -52,18 +63,24 @@ pub struct ServeArgs {
     /// Seconds in-flight requests get to finish after Ctrl-C/SIGTERM before they are cancelled
     #[arg(long = "shutdown-grace", value_name = "SECS", default_value_t = 30)]
     pub shutdown_grace: u64,
+
+    /// Speculative decoding for every request; each response's `usage.speculative` then
+    /// holds the request's counters (--spec-stats: the totals on stderr at shutdown). Last,
+    /// so that its help heading covers only its own flags.
+    #[command(flatten, next_help_heading = "Speculative decoding")]
+    pub spec: SpecArgs,
 }
 
 /// Loads the model and serves until Ctrl-C or SIGTERM.
 pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
+    crate::device::cpu_only(&args.model, "serve")?;
     let path = load::resolve_model_path(&args.model.model)?;
     let name = load::display_name(&args.model.model, &path);
     let gguf = load::open_gguf(&path)?;
     let n_ctx = load::context_length(&gguf, args.model.ctx_size)?;
     let kv_type: model::KvType = args.model.kv_type.into();
     load::check_memory(&gguf, n_ctx, kv_type)?;
-    drop(gguf);
-    let opts = server::ModelOptions {
+    let mut opts = server::ModelOptions {
         name: name.clone(),
         aliases: Vec::new(),
         threads: args.model.threads(),
@@ -72,7 +89,18 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
         queue_capacity: args.queue as usize,
         kv_tokens: None,
         kv_type,
+        spec: engine::SpecConfig::default(),
     };
+    if args.spec.enabled() {
+        let tokenizer = load::load_tokenizer(&gguf)?;
+        let n_vocab = model::Config::from_gguf(&gguf)
+            .with_context(|| format!("reading {name}'s configuration"))?
+            .n_vocab;
+        opts.spec =
+            args.spec
+                .engine_spec(&tokenizer, n_vocab, &args.model, opts.kv_pool_tokens(n_ctx))?;
+    }
+    drop(gguf);
     let model = Arc::new(
         server::ServedModel::load(&path, &opts)
             .with_context(|| format!("loading {}", path.display()))?,
@@ -85,13 +113,40 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
     };
     let addr = SocketAddr::new(args.host, args.port);
     let ctx = model.context_len();
-    server::serve_blocking(addr, model, config, |bound| {
+    let speculation = speculation_note(&opts.spec);
+    server::serve_blocking(addr, Arc::clone(&model), config, |bound| {
         let _ = writeln!(
             out,
-            "lockstep serving {name} (context {ctx}) at http://{bound}/v1 — Ctrl-C to stop"
+            "lockstep serving {name} (context {ctx}{speculation}) at http://{bound}/v1 — \
+             Ctrl-C to stop"
         );
         let _ = out.flush();
     })
     .with_context(|| format!("serving on {addr}"))?;
+    if args.spec.stats && model.speculates() {
+        eprintln!(
+            "{} (all requests)",
+            SpecReport::of(&model.engine().metrics().spec).line()
+        );
+    }
     Ok(())
+}
+
+/// ", speculative: n-gram + fast-forward" for the start-up line (empty when off).
+fn speculation_note(spec: &engine::SpecConfig) -> String {
+    if !spec.is_on() {
+        return String::new();
+    }
+    let d = &spec.drafters;
+    let mut names = Vec::new();
+    if let Some(n) = &d.ngram {
+        names.push(format!("n-gram (keys up to {})", n.max_n));
+    }
+    if let Some(m) = &d.draft_model {
+        names.push(format!("draft model {}", m.name()));
+    }
+    if d.fast_forward {
+        names.push("grammar fast-forward".into());
+    }
+    format!(", speculative: {}", names.join(" + "))
 }

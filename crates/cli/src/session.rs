@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use chat::ChatTemplate;
 use clap::Args;
-use engine::{Engine, EngineConfig, Event, FinishReason, GenerateRequest, ModelBackend, Timings};
+use engine::{Engine, EngineConfig, Event, FinishReason, GenerateRequest, Timings};
 use text::Tokenizer;
 
 use crate::args::{ModelArgs, SamplingArgs, StopArgs};
@@ -86,9 +86,7 @@ impl Session {
         if need_template && template.is_none() {
             return Err(load::no_template_error(&name));
         }
-        let model =
-            Arc::new(load::load_model(&gguf, args).with_context(|| format!("loading {name}"))?);
-        let n_ctx = model.n_ctx();
+        let (backend, n_ctx, n_vocab) = crate::device::backend(&gguf, args, &name)?;
         let block = backend_cpu::DEFAULT_BLOCK_SIZE;
         let cfg = EngineConfig {
             max_seqs: 1,
@@ -100,13 +98,13 @@ impl Session {
         };
         let cfg = match spec {
             Some(s) => EngineConfig {
-                spec: s.engine_spec(&tokenizer, model.config().n_vocab, args, cfg.kv_tokens)?,
+                spec: s.engine_spec(&tokenizer, n_vocab, args, cfg.kv_tokens)?,
                 ..cfg
             },
             None => cfg,
         };
-        let engine = Engine::start(Box::new(ModelBackend::new(model)), tokenizer.clone(), cfg)
-            .context("starting the engine")?;
+        let engine =
+            Engine::start(backend, tokenizer.clone(), cfg).context("starting the engine")?;
         Ok(Session {
             name,
             tokenizer,

@@ -1,0 +1,954 @@
+//! The llama/qwen2 forward on one CUDA device over a paged KV cache in device memory, and
+//! [`CudaBackend`], the engine's [`ForwardBackend`] over it.
+//!
+//! Every step is the CPU model's step (crates/model/src/llama.rs, layers.rs) with a kernel
+//! that reproduces the CPU arithmetic bit for bit, so a row's logits equal the CPU
+//! backend's and never depend on the batch (G1).
+
+use crate::CudaError;
+use crate::device::{Arg, Buf, Device};
+use crate::ops::{DevActs, DevMatrix, i32_of, rope_tables};
+use backend_cpu::{BlockAllocator, DEFAULT_BLOCK_SIZE, RopeTable};
+use cudarc::driver::CudaGraph;
+use engine::{BackendError, ForwardBackend, ForwardRow, KvSlot};
+use gguf::GgufFile;
+use model::{Arch, Config};
+use quant::{ActLayout, Format, dequantize_row};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Threads per attention CTA (`ATT_THREADS` in `kernels.cu`).
+const ATT_THREADS: u32 = 128;
+/// Largest head size the attention kernel takes (`MAX_HEAD_DIM`).
+const MAX_HEAD_DIM: usize = 512;
+
+struct Layer {
+    attn_norm: Buf<f32>,
+    wq: DevMatrix,
+    wk: DevMatrix,
+    wv: DevMatrix,
+    wo: DevMatrix,
+    bq: Option<Buf<f32>>,
+    bk: Option<Buf<f32>>,
+    bv: Option<Buf<f32>>,
+    ffn_norm: Buf<f32>,
+    gate: DevMatrix,
+    up: DevMatrix,
+    down: DevMatrix,
+}
+
+/// A llama/qwen2 model's weights on a CUDA device (matmul weights in their GGUF block
+/// layout; the embedding table stays in the mapped file and rows are dequantized on the
+/// host, exactly as the CPU model does).
+pub struct CudaModel {
+    dev: Device,
+    gguf: Arc<GgufFile>,
+    cfg: Config,
+    n_ctx: usize,
+    embed_format: Format,
+    layers: Vec<Layer>,
+    output_norm: Buf<f32>,
+    output: DevMatrix,
+    cos: Buf<f32>,
+    sin: Buf<f32>,
+    weight_bytes: usize,
+}
+
+impl std::fmt::Debug for CudaModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CudaModel({:?}, {} layers on {:?})",
+            self.cfg.arch, self.cfg.n_layer, self.dev
+        )
+    }
+}
+
+fn format_of(gguf: &GgufFile, name: &str) -> Result<Format, CudaError> {
+    let t = gguf
+        .tensor(name)
+        .ok_or_else(|| CudaError::Model(format!("missing tensor {name}")))?;
+    Format::from_ggml_type_id(t.ggml_type.id())
+        .ok_or_else(|| CudaError::Unsupported(format!("tensor {name}: type {}", t.ggml_type)))
+}
+
+fn tensor<'a>(
+    gguf: &'a GgufFile,
+    name: &str,
+    dims: &[usize],
+) -> Result<(Format, &'a [u8]), CudaError> {
+    let t = gguf
+        .tensor(name)
+        .ok_or_else(|| CudaError::Model(format!("missing tensor {name}")))?;
+    let want: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+    if t.dims != want {
+        return Err(CudaError::Model(format!(
+            "tensor {name}: shape {:?}, expected {want:?}",
+            t.dims
+        )));
+    }
+    Ok((format_of(gguf, name)?, gguf.tensor_data(t)))
+}
+
+impl CudaModel {
+    /// Loads `gguf` (llama or qwen2) onto `dev` with a context of `n_ctx` positions (the
+    /// trained context when `None`).
+    pub fn load(
+        dev: Device,
+        gguf: Arc<GgufFile>,
+        n_ctx: Option<usize>,
+    ) -> Result<CudaModel, CudaError> {
+        let cfg = Config::from_gguf(&gguf).map_err(|e| CudaError::Model(e.to_string()))?;
+        if !matches!(cfg.arch, Arch::Llama | Arch::Qwen2) {
+            return Err(CudaError::Unsupported(format!(
+                "architecture {:?} on CUDA",
+                cfg.arch
+            )));
+        }
+        if gguf.tensor("rope_freqs.weight").is_some() {
+            return Err(CudaError::Unsupported(
+                "per-dimension RoPE frequency factors".into(),
+            ));
+        }
+        if cfg.head_dim > MAX_HEAD_DIM {
+            return Err(CudaError::Unsupported(format!(
+                "head size {} (at most {MAX_HEAD_DIM})",
+                cfg.head_dim
+            )));
+        }
+        let n_ctx = n_ctx.unwrap_or(cfg.n_ctx_train);
+        if n_ctx == 0 || n_ctx > cfg.n_ctx_train {
+            return Err(CudaError::Model(format!(
+                "context length {n_ctx} must be in 1..={} (the model's trained context)",
+                cfg.n_ctx_train
+            )));
+        }
+        let (e, f, v, qd, kvd) = (cfg.n_embd, cfg.n_ff, cfg.n_vocab, cfg.q_dim(), cfg.kv_dim());
+        let mut weight_bytes = 0usize;
+        let mut matrix = |name: &str, k: usize, n: usize| -> Result<DevMatrix, CudaError> {
+            let (fmt, bytes) = tensor(&gguf, name, &[k, n])?;
+            let m = dev.upload_matrix(fmt, bytes, n, k)?;
+            weight_bytes += m.n_bytes();
+            Ok(m)
+        };
+        let vector = |name: &str, len: usize| -> Result<Buf<f32>, CudaError> {
+            let (fmt, bytes) = tensor(&gguf, name, &[len])?;
+            let mut out = vec![0.0f32; len];
+            dequantize_row(fmt, bytes, &mut out)
+                .map_err(|e| CudaError::Model(format!("{name}: {e}")))?;
+            dev.upload(&out)
+        };
+        let bias = |name: String, len: usize| -> Result<Option<Buf<f32>>, CudaError> {
+            if gguf.tensor(&name).is_some() {
+                vector(&name, len).map(Some)
+            } else if cfg.arch.requires_qkv_bias() {
+                Err(CudaError::Model(format!("missing tensor {name}")))
+            } else {
+                Ok(None)
+            }
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let p = |t: &str| format!("blk.{i}.{t}");
+            layers.push(Layer {
+                attn_norm: vector(&p("attn_norm.weight"), e)?,
+                wq: matrix(&p("attn_q.weight"), e, qd)?,
+                wk: matrix(&p("attn_k.weight"), e, kvd)?,
+                wv: matrix(&p("attn_v.weight"), e, kvd)?,
+                wo: matrix(&p("attn_output.weight"), qd, e)?,
+                bq: bias(p("attn_q.bias"), qd)?,
+                bk: bias(p("attn_k.bias"), kvd)?,
+                bv: bias(p("attn_v.bias"), kvd)?,
+                ffn_norm: vector(&p("ffn_norm.weight"), e)?,
+                gate: matrix(&p("ffn_gate.weight"), e, f)?,
+                up: matrix(&p("ffn_up.weight"), e, f)?,
+                down: matrix(&p("ffn_down.weight"), f, e)?,
+            });
+        }
+        let output = if cfg.tied_embeddings {
+            matrix("token_embd.weight", e, v)?
+        } else {
+            matrix("output.weight", e, v)?
+        };
+        let (embed_format, _) = tensor(&gguf, "token_embd.weight", &[e, v])?;
+        let output_norm = vector("output_norm.weight", e)?;
+        let table = RopeTable::new(
+            f64::from(cfg.rope_base),
+            cfg.n_rot,
+            f64::from(cfg.rope_scaling.factor()),
+            n_ctx,
+        )
+        .map_err(|e| CudaError::Model(format!("RoPE table: {e}")))?;
+        let (c, s) = rope_tables(&table)?;
+        let cos = dev.upload(&c)?;
+        let sin = dev.upload(&s)?;
+        Ok(CudaModel {
+            dev,
+            gguf,
+            cfg,
+            n_ctx,
+            embed_format,
+            layers,
+            output_norm,
+            output,
+            cos,
+            sin,
+            weight_bytes,
+        })
+    }
+
+    /// The model configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Context length (positions).
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    /// Bytes of weights a decode step must read from device memory: every matmul weight,
+    /// the output head included (the embedding table stays on the host; one row per
+    /// token is uploaded).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+}
+
+/// Device scratch for one forward of up to `rows` rows.
+struct Scratch {
+    rows: usize,
+    x: Buf<f32>,
+    xn: Buf<f32>,
+    q: Buf<f32>,
+    k: Buf<f32>,
+    v: Buf<f32>,
+    attn: Buf<f32>,
+    proj: Buf<f32>,
+    gate: Buf<f32>,
+    up: Buf<f32>,
+    acts: HashMap<(ActLayout, usize), DevActs>,
+    logits: Buf<f32>,
+    logit_rows: usize,
+    pos: Buf<i32>,
+    phys: Buf<i32>,
+    table_off: Buf<i32>,
+    tables: Buf<i32>,
+    tables_len: usize,
+    generation: u64,
+}
+
+/// Source of distinct [`Scratch::generation`] values.
+static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn next_generation() -> u64 {
+    GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+impl Scratch {
+    fn new(dev: &Device, cfg: &Config, rows: usize) -> Result<Scratch, CudaError> {
+        let (e, f, qd, kvd) = (cfg.n_embd, cfg.n_ff, cfg.q_dim(), cfg.kv_dim());
+        Ok(Scratch {
+            rows,
+            x: dev.zeros(rows * e)?,
+            xn: dev.zeros(rows * e.max(qd).max(f))?,
+            q: dev.zeros(rows * qd)?,
+            k: dev.zeros(rows * kvd)?,
+            v: dev.zeros(rows * kvd)?,
+            attn: dev.zeros(rows * qd)?,
+            proj: dev.zeros(rows * e)?,
+            gate: dev.zeros(rows * f)?,
+            up: dev.zeros(rows * f)?,
+            acts: HashMap::new(),
+            logits: dev.zeros(cfg.n_vocab)?,
+            logit_rows: 1,
+            pos: dev.zeros(rows)?,
+            phys: dev.zeros(rows)?,
+            table_off: dev.zeros(rows)?,
+            tables: dev.zeros(64)?,
+            tables_len: 64,
+            generation: next_generation(),
+        })
+    }
+}
+
+/// Quantizes `m` rows of `x` (row length `k`) for every distinct activation layout of
+/// `ws` (once per layout).
+fn quantize_for(
+    dev: &Device,
+    acts: &mut HashMap<(ActLayout, usize), DevActs>,
+    cap: usize,
+    ws: &[&DevMatrix],
+    x: &Buf<f32>,
+    m: usize,
+) -> Result<(), CudaError> {
+    let mut done: Vec<ActLayout> = Vec::new();
+    for w in ws {
+        let layout = w.format.act_layout();
+        if layout == ActLayout::Float || done.contains(&layout) {
+            continue;
+        }
+        done.push(layout);
+        let a = match acts.entry((layout, w.k)) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(DevActs::new(dev, layout, w.k, cap)?)
+            }
+        };
+        dev.quantize_acts(x, m, a)?;
+    }
+    Ok(())
+}
+
+fn mm(
+    dev: &Device,
+    acts: &HashMap<(ActLayout, usize), DevActs>,
+    w: &DevMatrix,
+    x: &Buf<f32>,
+    out: &mut Buf<f32>,
+    m: usize,
+) -> Result<(), CudaError> {
+    dev.matmul(w, x, acts.get(&(w.format.act_layout(), w.k)), out, m)
+}
+
+/// One sequence's KV blocks on the device.
+#[derive(Clone, Debug, Default)]
+struct Seq {
+    blocks: Vec<u32>,
+    len: usize,
+}
+
+/// The paged KV cache in device memory: per layer K and V, each
+/// `[blocks][n_kv_head][block_size][head_dim]` f16, with a refcounting block allocator
+/// (prefix sharing by fork, copy-on-write, copy-free truncation).
+struct DevKv {
+    k: Vec<Buf<u16>>,
+    v: Vec<Buf<u16>>,
+    alloc: BlockAllocator,
+    bsz: usize,
+    per_block: usize,
+}
+
+/// The engine's backend on a CUDA device: the [`CudaModel`] plus its paged KV cache.
+pub struct CudaBackend {
+    model: CudaModel,
+    kv: Option<DevKv>,
+    seqs: Vec<Option<Seq>>,
+    free_slots: Vec<u32>,
+    scratch: Option<Scratch>,
+    use_graphs: bool,
+    graph: Option<(GraphKey, Graph)>,
+    warm_key: Option<GraphKey>,
+}
+
+/// What a captured forward depends on: rows, the rows that want logits, and the
+/// generation of the scratch buffers (bumped whenever one is reallocated).
+type GraphKey = (usize, Vec<usize>, u64);
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaBackend({:?})", self.model)
+    }
+}
+
+fn be(e: CudaError) -> BackendError {
+    BackendError::Other(e.to_string())
+}
+
+impl CudaBackend {
+    /// Wraps a loaded model (the KV pool is made by [`ForwardBackend::init_kv`]).
+    pub fn new(model: CudaModel) -> CudaBackend {
+        CudaBackend {
+            model,
+            kv: None,
+            seqs: Vec::new(),
+            free_slots: Vec::new(),
+            scratch: None,
+            use_graphs: std::env::var("LOCKSTEP_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            graph: None,
+            warm_key: None,
+        }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &CudaModel {
+        &self.model
+    }
+
+    fn seq(&self, slot: KvSlot) -> Result<&Seq, BackendError> {
+        self.seqs
+            .get(slot.0 as usize)
+            .and_then(Option::as_ref)
+            .ok_or(BackendError::UnknownSlot(slot.0))
+    }
+
+    fn kv_ref(&self) -> Result<&DevKv, BackendError> {
+        self.kv
+            .as_ref()
+            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))
+    }
+
+    fn truncate_seq(kv: &mut DevKv, seq: &mut Seq, len: usize) {
+        if len >= seq.len {
+            return;
+        }
+        let keep = len.div_ceil(kv.bsz);
+        for b in seq.blocks.drain(keep.min(seq.blocks.len())..) {
+            kv.alloc.release(b);
+        }
+        seq.len = len;
+    }
+
+    /// Truncates to `from`, reserves up to `to`, copies shared blocks at or after `from`.
+    fn prepare_seq(
+        dev: &Device,
+        kv: &mut DevKv,
+        seq: &mut Seq,
+        from: usize,
+        to: usize,
+    ) -> Result<(), BackendError> {
+        Self::truncate_seq(kv, seq, from);
+        if to > seq.len {
+            let need = to.div_ceil(kv.bsz);
+            let more = need.saturating_sub(seq.blocks.len());
+            if more > kv.alloc.free_count() {
+                return Err(BackendError::OutOfBlocks {
+                    needed: more,
+                    free: kv.alloc.free_count(),
+                });
+            }
+            while seq.blocks.len() < need {
+                let b = kv
+                    .alloc
+                    .alloc()
+                    .ok_or(BackendError::OutOfBlocks { needed: 1, free: 0 })?;
+                seq.blocks.push(b);
+            }
+            seq.len = to;
+        }
+        let first = from / kv.bsz;
+        let shared = seq
+            .blocks
+            .iter()
+            .skip(first)
+            .filter(|&&b| kv.alloc.refcount(b) > 1)
+            .count();
+        if shared > kv.alloc.free_count() {
+            return Err(BackendError::OutOfBlocks {
+                needed: shared,
+                free: kv.alloc.free_count(),
+            });
+        }
+        for i in first..seq.blocks.len() {
+            let old = seq.blocks[i];
+            if kv.alloc.refcount(old) <= 1 {
+                continue;
+            }
+            let new = kv
+                .alloc
+                .alloc()
+                .ok_or(BackendError::OutOfBlocks { needed: 1, free: 0 })?;
+            let pb = kv.per_block;
+            for buf in kv.k.iter().chain(kv.v.iter()) {
+                dev.launch(
+                    "copy_u16",
+                    (u32::try_from(pb.div_ceil(256)).unwrap_or(u32::MAX), 1, 1),
+                    (256, 1, 1),
+                    &[
+                        Arg::Ptr(dev.ptr(buf, 0)),
+                        Arg::I64(old as i64 * pb as i64),
+                        Arg::I64(new as i64 * pb as i64),
+                        Arg::I64(pb as i64),
+                    ],
+                )
+                .map_err(be)?;
+            }
+            kv.alloc.release(old);
+            seq.blocks[i] = new;
+        }
+        Ok(())
+    }
+
+    fn run_forward(
+        &mut self,
+        rows: &[ForwardRow],
+        logits: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let cfg = self.model.cfg.clone();
+        let m = rows.len();
+        let e = cfg.n_embd;
+        // Validate: consecutive positions per sequence, starting at most at its length.
+        let mut order: Vec<KvSlot> = Vec::new();
+        let mut spans: Vec<(usize, usize)> = Vec::new();
+        for (i, r) in rows.iter().enumerate() {
+            if r.token as usize >= cfg.n_vocab {
+                return Err(BackendError::Other(format!(
+                    "row {i}: token id {} is outside the vocabulary (0..{})",
+                    r.token, cfg.n_vocab
+                )));
+            }
+            if r.pos >= self.model.n_ctx {
+                return Err(BackendError::Other(format!(
+                    "row {i}: position {} is past the context ({})",
+                    r.pos, self.model.n_ctx
+                )));
+            }
+            match order.iter().position(|&s| s == r.slot) {
+                None => {
+                    order.push(r.slot);
+                    spans.push((r.pos, r.pos));
+                }
+                Some(j) => {
+                    if r.pos != spans[j].1 + 1 {
+                        return Err(BackendError::Other(format!(
+                            "row {i}: sequence {} goes from position {} to {}; rows of one \
+                             sequence must be consecutive positions",
+                            r.slot.0, spans[j].1, r.pos
+                        )));
+                    }
+                    spans[j].1 = r.pos;
+                }
+            }
+        }
+        for (&slot, &(first, _)) in order.iter().zip(&spans) {
+            let len = self.seq(slot)?.len;
+            if first > len {
+                return Err(BackendError::Other(format!(
+                    "sequence {}: first row is at position {first} but only positions 0..{len} \
+                     are cached",
+                    slot.0
+                )));
+            }
+        }
+        let dev = &self.model.dev;
+        let kv = self
+            .kv
+            .as_mut()
+            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        for (&slot, &(first, last)) in order.iter().zip(&spans) {
+            let seq = self.seqs[slot.0 as usize]
+                .as_mut()
+                .ok_or(BackendError::UnknownSlot(slot.0))?;
+            Self::prepare_seq(dev, kv, seq, first, last + 1)?;
+        }
+        // Row metadata: positions, the physical block each row writes, block tables.
+        let bsz = kv.bsz;
+        let mut tables: Vec<i32> = Vec::new();
+        let mut seq_off: Vec<i32> = Vec::with_capacity(order.len());
+        for &slot in &order {
+            seq_off.push(i32_of("table offset", tables.len()).map_err(be)?);
+            let seq = self.seqs[slot.0 as usize]
+                .as_ref()
+                .ok_or(BackendError::UnknownSlot(slot.0))?;
+            tables.extend(seq.blocks.iter().map(|&b| b as i32));
+        }
+        let mut pos = Vec::with_capacity(m);
+        let mut phys = Vec::with_capacity(m);
+        let mut toff = Vec::with_capacity(m);
+        for r in rows {
+            let j = order.iter().position(|&s| s == r.slot).unwrap_or(0);
+            let seq = self.seqs[r.slot.0 as usize]
+                .as_ref()
+                .ok_or(BackendError::UnknownSlot(r.slot.0))?;
+            pos.push(r.pos as i32);
+            phys.push(seq.blocks[r.pos / bsz] as i32);
+            toff.push(seq_off[j]);
+        }
+        let logit_rows: Vec<usize> = (0..m).filter(|&i| rows[i].wants_logits).collect();
+        logits.clear();
+        if m == 0 {
+            return Ok(());
+        }
+        // Scratch.
+        if self.scratch.as_ref().is_none_or(|s| s.rows < m) {
+            self.scratch = None;
+            self.scratch = Some(Scratch::new(dev, &cfg, m.next_power_of_two()).map_err(be)?);
+        }
+        let s = self
+            .scratch
+            .as_mut()
+            .ok_or_else(|| BackendError::Other("scratch".into()))?;
+        if s.tables_len < tables.len().max(1) {
+            s.tables = dev.zeros(tables.len().next_power_of_two()).map_err(be)?;
+            s.tables_len = tables.len().next_power_of_two();
+            s.generation = next_generation();
+        }
+        if !tables.is_empty() {
+            dev.write(&tables, &mut s.tables).map_err(be)?;
+        }
+        dev.write(&pos, &mut s.pos).map_err(be)?;
+        dev.write(&phys, &mut s.phys).map_err(be)?;
+        dev.write(&toff, &mut s.table_off).map_err(be)?;
+        // Embedding rows, dequantized on the host from the mapped file.
+        let model = &self.model;
+        let embed = model
+            .gguf
+            .tensor("token_embd.weight")
+            .ok_or_else(|| BackendError::Other("token_embd.weight".into()))?;
+        let data = model.gguf.tensor_data(embed);
+        let rb = model
+            .embed_format
+            .row_bytes(e)
+            .map_err(|e| BackendError::Other(e.to_string()))?;
+        let mut xh = vec![0.0f32; m * e];
+        for (i, r) in rows.iter().enumerate() {
+            let t = r.token as usize;
+            dequantize_row(
+                model.embed_format,
+                &data[t * rb..(t + 1) * rb],
+                &mut xh[i * e..(i + 1) * e],
+            )
+            .map_err(|e| BackendError::Other(e.to_string()))?;
+        }
+        dev.write(&xh, &mut s.x).map_err(be)?;
+        let nl = logit_rows.len();
+        if s.logit_rows < nl {
+            s.logits = dev.zeros(nl * cfg.n_vocab).map_err(be)?;
+            s.logit_rows = nl;
+            s.generation = next_generation();
+        }
+        // Single-row steps (decode) replay a CUDA graph of the whole forward once one
+        // eager step of the same shape has run: the same kernels and arguments, one launch.
+        let key = (m, logit_rows.clone(), s.generation);
+        let kv = &*kv;
+        if m == 1 && self.use_graphs {
+            let replay = matches!(&self.graph, Some((k, _)) if *k == key);
+            if replay {
+                if let Some((_, g)) = &self.graph {
+                    g.0.launch()
+                        .map_err(|e| be(CudaError::Driver(format!("graph launch: {e}"))))?;
+                }
+            } else if self.warm_key.as_ref() == Some(&key) {
+                self.graph = None;
+                let g = capture(dev, model, kv, s, m, &logit_rows).map_err(be)?;
+                g.0.launch()
+                    .map_err(|e| be(CudaError::Driver(format!("graph launch: {e}"))))?;
+                self.graph = Some((key, g));
+            } else {
+                enqueue(dev, model, kv, s, m, &logit_rows).map_err(be)?;
+                self.warm_key = Some(key);
+            }
+        } else {
+            enqueue(dev, model, kv, s, m, &logit_rows).map_err(be)?;
+        }
+        if nl == 0 {
+            dev.sync().map_err(be)?;
+            return Ok(());
+        }
+        logits.resize(nl * cfg.n_vocab, 0.0);
+        dev.read_into(&s.logits, 0, logits).map_err(be)?;
+        Ok(())
+    }
+}
+
+/// Queues the whole forward of `m` rows (inputs already in `s`) on the device stream:
+/// every layer, then the output head of `logit_rows` into `s.logits`. Allocates nothing
+/// once `s` has served a forward of the same shape, so it can be captured in a graph.
+fn enqueue(
+    dev: &Device,
+    model: &CudaModel,
+    kv: &DevKv,
+    s: &mut Scratch,
+    m: usize,
+    logit_rows: &[usize],
+) -> Result<(), CudaError> {
+    let cfg = &model.cfg;
+    let (e, f, qd, kvd, hd) = (
+        cfg.n_embd,
+        cfg.n_ff,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.head_dim,
+    );
+    let cap = s.rows;
+    let bsz = kv.bsz;
+    let eps = cfg.rms_eps;
+    let neox = cfg.arch.rope_style() == backend_cpu::RopeStyle::Neox;
+    let n_kv = cfg.n_head_kv;
+    let scale = (1.0 / (hd as f64).sqrt()) as f32;
+    for (li, l) in model.layers.iter().enumerate() {
+        // Attention block.
+        dev.rms_norm(&s.x, &l.attn_norm, &mut s.xn, m, e, eps)?;
+        quantize_for(dev, &mut s.acts, cap, &[&l.wq, &l.wk, &l.wv], &s.xn, m)?;
+        mm(dev, &s.acts, &l.wq, &s.xn, &mut s.q, m)?;
+        mm(dev, &s.acts, &l.wk, &s.xn, &mut s.k, m)?;
+        mm(dev, &s.acts, &l.wv, &s.xn, &mut s.v, m)?;
+        if let Some(b) = &l.bq {
+            dev.add_bias(&mut s.q, b, qd, m * qd)?;
+        }
+        if let Some(b) = &l.bk {
+            dev.add_bias(&mut s.k, b, kvd, m * kvd)?;
+        }
+        if let Some(b) = &l.bv {
+            dev.add_bias(&mut s.v, b, kvd, m * kvd)?;
+        }
+        dev.rope(
+            &mut s.q, &s.pos, &model.cos, &model.sin, m, qd, hd, cfg.n_rot, neox,
+        )?;
+        dev.rope(
+            &mut s.k, &s.pos, &model.cos, &model.sin, m, kvd, hd, cfg.n_rot, neox,
+        )?;
+        let total = m * kvd;
+        dev.launch(
+            "kv_write",
+            (u32::try_from(total.div_ceil(256)).unwrap_or(u32::MAX), 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(dev.ptr(&s.k, 0)),
+                Arg::Ptr(dev.ptr(&s.v, 0)),
+                Arg::Ptr(dev.ptr(&kv.k[li], 0)),
+                Arg::Ptr(dev.ptr(&kv.v[li], 0)),
+                Arg::Ptr(dev.ptr(&s.pos, 0)),
+                Arg::Ptr(dev.ptr(&s.phys, 0)),
+                Arg::I32(m as i32),
+                Arg::I32(n_kv as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(bsz as i32),
+            ],
+        )?;
+        dev.launch(
+            "attention",
+            (u32::try_from(m * cfg.n_head).unwrap_or(u32::MAX), 1, 1),
+            (ATT_THREADS, 1, 1),
+            &[
+                Arg::Ptr(dev.ptr(&s.q, 0)),
+                Arg::Ptr(dev.ptr(&kv.k[li], 0)),
+                Arg::Ptr(dev.ptr(&kv.v[li], 0)),
+                Arg::Ptr(dev.ptr(&s.attn, 0)),
+                Arg::Ptr(dev.ptr(&s.pos, 0)),
+                Arg::Ptr(dev.ptr(&s.table_off, 0)),
+                Arg::Ptr(dev.ptr(&s.tables, 0)),
+                Arg::I32(cfg.n_head as i32),
+                Arg::I32(n_kv as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(bsz as i32),
+                Arg::F32(scale),
+            ],
+        )?;
+        quantize_for(dev, &mut s.acts, cap, &[&l.wo], &s.attn, m)?;
+        mm(dev, &s.acts, &l.wo, &s.attn, &mut s.proj, m)?;
+        dev.add_in_place(&mut s.x, &s.proj, m * e)?;
+        // Feed-forward block.
+        dev.rms_norm(&s.x, &l.ffn_norm, &mut s.xn, m, e, eps)?;
+        quantize_for(dev, &mut s.acts, cap, &[&l.gate, &l.up], &s.xn, m)?;
+        mm(dev, &s.acts, &l.gate, &s.xn, &mut s.gate, m)?;
+        mm(dev, &s.acts, &l.up, &s.xn, &mut s.up, m)?;
+        dev.swiglu(&mut s.gate, &s.up, m * f)?;
+        quantize_for(dev, &mut s.acts, cap, &[&l.down], &s.gate, m)?;
+        mm(dev, &s.acts, &l.down, &s.gate, &mut s.proj, m)?;
+        dev.add_in_place(&mut s.x, &s.proj, m * e)?;
+    }
+    // Output head over the rows that want logits.
+    let nl = logit_rows.len();
+    if nl == 0 {
+        return Ok(());
+    }
+    for (i, &r) in logit_rows.iter().enumerate() {
+        dev.rms_norm_at(&s.x, r * e, &model.output_norm, &mut s.xn, i * e, 1, e, eps)?;
+    }
+    quantize_for(dev, &mut s.acts, cap, &[&model.output], &s.xn, nl)?;
+    mm(dev, &s.acts, &model.output, &s.xn, &mut s.logits, nl)?;
+    Ok(())
+}
+
+/// A captured forward (`CUgraphExec`), replayed on the device stream.
+struct Graph(CudaGraph);
+
+// SAFETY: the graph is instantiated and launched only by the backend that owns it, on its
+// context's stream (the context is bound before every launch); CUDA graph handles are not
+// tied to the thread that made them.
+unsafe impl Send for Graph {}
+
+/// Captures [`enqueue`] into a graph (the stream is back to normal whatever happens).
+fn capture(
+    dev: &Device,
+    model: &CudaModel,
+    kv: &DevKv,
+    s: &mut Scratch,
+    m: usize,
+    logit_rows: &[usize],
+) -> Result<Graph, CudaError> {
+    let stream = dev.stream();
+    stream
+        .begin_capture(
+            cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
+        .map_err(|e| CudaError::Driver(format!("begin capture: {e}")))?;
+    let queued = enqueue(dev, model, kv, s, m, logit_rows);
+    let graph = stream.end_capture(
+        cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+    );
+    queued?;
+    match graph {
+        Ok(Some(g)) => Ok(Graph(g)),
+        Ok(None) => Err(CudaError::Driver("graph capture produced no graph".into())),
+        Err(e) => Err(CudaError::Driver(format!("end capture: {e}"))),
+    }
+}
+
+impl ForwardBackend for CudaBackend {
+    fn n_vocab(&self) -> usize {
+        self.model.cfg.n_vocab
+    }
+
+    fn max_context(&self) -> usize {
+        self.model.n_ctx
+    }
+
+    fn init_kv(&mut self, max_tokens: usize) -> Result<(), BackendError> {
+        self.graph = None;
+        self.warm_key = None;
+        self.seqs.clear();
+        self.free_slots.clear();
+        self.kv = None;
+        let cfg = &self.model.cfg;
+        let bsz = DEFAULT_BLOCK_SIZE;
+        let n_blocks = max_tokens.div_ceil(bsz).max(1);
+        let per_block = cfg.n_head_kv * bsz * cfg.head_dim;
+        let mut k = Vec::with_capacity(cfg.n_layer);
+        let mut v = Vec::with_capacity(cfg.n_layer);
+        for _ in 0..cfg.n_layer {
+            k.push(
+                self.model
+                    .dev
+                    .zeros::<u16>(n_blocks * per_block)
+                    .map_err(be)?,
+            );
+            v.push(
+                self.model
+                    .dev
+                    .zeros::<u16>(n_blocks * per_block)
+                    .map_err(be)?,
+            );
+        }
+        self.kv = Some(DevKv {
+            k,
+            v,
+            alloc: BlockAllocator::new(n_blocks),
+            bsz,
+            per_block,
+        });
+        Ok(())
+    }
+
+    fn block_size(&self) -> usize {
+        self.kv.as_ref().map_or(DEFAULT_BLOCK_SIZE, |kv| kv.bsz)
+    }
+
+    fn total_blocks(&self) -> usize {
+        self.kv.as_ref().map_or(0, |kv| kv.alloc.capacity())
+    }
+
+    fn free_blocks(&self) -> usize {
+        self.kv.as_ref().map_or(0, |kv| kv.alloc.free_count())
+    }
+
+    fn kv_new(&mut self) -> KvSlot {
+        if self.kv.is_none() {
+            return KvSlot(u32::MAX);
+        }
+        match self.free_slots.pop() {
+            Some(i) => {
+                self.seqs[i as usize] = Some(Seq::default());
+                KvSlot(i)
+            }
+            None => {
+                self.seqs.push(Some(Seq::default()));
+                KvSlot((self.seqs.len() - 1) as u32)
+            }
+        }
+    }
+
+    fn kv_fork(&mut self, src: KvSlot, len: usize) -> Result<KvSlot, BackendError> {
+        let mut seq = self.seq(src)?.clone();
+        let kv = self
+            .kv
+            .as_mut()
+            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        for &b in &seq.blocks {
+            kv.alloc.retain(b);
+        }
+        Self::truncate_seq(kv, &mut seq, len);
+        let slot = self.kv_new();
+        self.seqs[slot.0 as usize] = Some(seq);
+        Ok(slot)
+    }
+
+    fn kv_len(&self, slot: KvSlot) -> usize {
+        self.seq(slot).map_or(0, |s| s.len)
+    }
+
+    fn kv_prepare(&mut self, slot: KvSlot, from: usize, to: usize) -> Result<(), BackendError> {
+        let needed = self.kv_blocks_needed(slot, from, to);
+        let free = self.free_blocks();
+        if needed > free {
+            return Err(BackendError::OutOfBlocks { needed, free });
+        }
+        self.seq(slot)?;
+        let kv = self
+            .kv
+            .as_mut()
+            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let seq = self.seqs[slot.0 as usize]
+            .as_mut()
+            .ok_or(BackendError::UnknownSlot(slot.0))?;
+        Self::prepare_seq(&self.model.dev, kv, seq, from, to)
+    }
+
+    fn kv_blocks_needed(&self, slot: KvSlot, from: usize, to: usize) -> usize {
+        let (Ok(seq), Ok(kv)) = (self.seq(slot), self.kv_ref()) else {
+            return 0;
+        };
+        let bs = kv.bsz;
+        let kept = if from < seq.len {
+            from.div_ceil(bs).min(seq.blocks.len())
+        } else {
+            seq.blocks.len()
+        };
+        let new = to.div_ceil(bs).saturating_sub(kept);
+        let shared = seq
+            .blocks
+            .get(from / bs..kept)
+            .unwrap_or_default()
+            .iter()
+            .filter(|&&b| kv.alloc.refcount(b) > 1)
+            .count();
+        new + shared
+    }
+
+    fn kv_truncate(&mut self, slot: KvSlot, len: usize) {
+        if let (Some(kv), Some(Some(seq))) = (self.kv.as_mut(), self.seqs.get_mut(slot.0 as usize))
+        {
+            Self::truncate_seq(kv, seq, len);
+        }
+    }
+
+    fn kv_release(&mut self, slot: KvSlot) {
+        if let Some(seq) = self.seqs.get_mut(slot.0 as usize).and_then(Option::take) {
+            if let Some(kv) = self.kv.as_mut() {
+                let mut seq = seq;
+                Self::truncate_seq(kv, &mut seq, 0);
+            }
+            self.free_slots.push(slot.0);
+        }
+    }
+
+    fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        self.run_forward(rows, logits)
+    }
+}
+
+/// Opens CUDA device `ordinal` and loads the model onto it, ready for the engine.
+pub fn load_backend(
+    ordinal: usize,
+    gguf: Arc<GgufFile>,
+    n_ctx: Option<usize>,
+) -> Result<CudaBackend, CudaError> {
+    let dev = Device::new(ordinal)?;
+    Ok(CudaBackend::new(CudaModel::load(dev, gguf, n_ctx)?))
+}

@@ -1,0 +1,560 @@
+//! The operations of the forward on device buffers, each one launch (or a few) of a kernel
+//! in `kernels.cu`, plus host-in/host-out forms of each for the oracle tests.
+
+use crate::CudaError;
+use crate::device::{Arg, Buf, Device};
+use quant::{ActLayout, Format};
+
+/// Activation rows a batched matmul launch covers per warp (`MT` in `kernels.cu`).
+const MT: usize = 4;
+
+/// Threads per block of the elementwise kernels.
+const EW: u32 = 256;
+
+fn blocks(len: usize, per: u32) -> u32 {
+    u32::try_from(len.div_ceil(per as usize)).unwrap_or(u32::MAX)
+}
+
+pub(crate) fn i32_of(what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::Shape(format!("{what} {v} does not fit in i32")))
+}
+
+/// A weight matrix on the device in its GGUF block layout: `n` rows of `k` values.
+#[derive(Debug)]
+pub struct DevMatrix {
+    /// Storage format.
+    pub format: Format,
+    /// Output rows.
+    pub n: usize,
+    /// Values per row.
+    pub k: usize,
+    data: Buf<u8>,
+}
+
+impl DevMatrix {
+    /// Bytes on the device.
+    pub fn n_bytes(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// The kernel for a weight format, or an error for formats without a CUDA kernel.
+fn matmul_kernel(f: Format) -> Result<&'static str, CudaError> {
+    Ok(match f {
+        Format::Q4_0 => "matmul_q4_0",
+        Format::Q4_1 => "matmul_q4_1",
+        Format::Q5_0 => "matmul_q5_0",
+        Format::Q5_1 => "matmul_q5_1",
+        Format::Q8_0 => "matmul_q8_0",
+        Format::Q2_K => "matmul_q2_k",
+        Format::Q3_K => "matmul_q3_k",
+        Format::Q4_K => "matmul_q4_k",
+        Format::Q5_K => "matmul_q5_k",
+        Format::Q6_K => "matmul_q6_k",
+        Format::F32 | Format::F16 | Format::BF16 => "matmul_float",
+        other => {
+            return Err(CudaError::Unsupported(format!(
+                "no CUDA matmul kernel for weight format {other}"
+            )));
+        }
+    })
+}
+
+/// Quantized activation rows on the device (the layout of `quant::QuantizedActs`: i8 codes
+/// row-major, one f32 scale per block), or the f32 rows themselves for float weights.
+#[derive(Debug)]
+pub struct DevActs {
+    layout: ActLayout,
+    k: usize,
+    cap: usize,
+    qs: Buf<i8>,
+    d: Buf<f32>,
+}
+
+impl DevActs {
+    /// Room for `rows` rows of `k` values in `layout`.
+    pub fn new(
+        dev: &Device,
+        layout: ActLayout,
+        k: usize,
+        rows: usize,
+    ) -> Result<DevActs, CudaError> {
+        let bl = layout.block_len();
+        if layout == ActLayout::Float || k == 0 || !k.is_multiple_of(bl) {
+            return Err(CudaError::Shape(format!(
+                "activation rows of {k} values cannot be quantized in blocks of {bl}"
+            )));
+        }
+        Ok(DevActs {
+            layout,
+            k,
+            cap: rows,
+            qs: dev.zeros(rows * k)?,
+            d: dev.zeros(rows * k / bl)?,
+        })
+    }
+}
+
+impl Device {
+    /// Uploads a weight matrix given in its GGUF bytes (`n` rows of `k` values).
+    pub fn upload_matrix(
+        &self,
+        format: Format,
+        bytes: &[u8],
+        n: usize,
+        k: usize,
+    ) -> Result<DevMatrix, CudaError> {
+        matmul_kernel(format)?;
+        let rb = format
+            .row_bytes(k)
+            .map_err(|e| CudaError::Shape(format!("matrix rows: {e}")))?;
+        if bytes.len() != rb * n {
+            return Err(CudaError::Shape(format!(
+                "matrix of {n}×{k} {format} needs {} bytes, got {}",
+                rb * n,
+                bytes.len()
+            )));
+        }
+        Ok(DevMatrix {
+            format,
+            n,
+            k,
+            data: self.upload(bytes)?,
+        })
+    }
+
+    /// Quantizes `m` rows of `x` (row length `acts.k`) into `acts`.
+    pub fn quantize_acts(
+        &self,
+        x: &Buf<f32>,
+        m: usize,
+        acts: &mut DevActs,
+    ) -> Result<(), CudaError> {
+        if m > acts.cap || m * acts.k > x.len() {
+            return Err(CudaError::Shape(format!(
+                "quantize {m} rows: room for {} rows, input of {}",
+                acts.cap,
+                x.len()
+            )));
+        }
+        let bl = acts.layout.block_len();
+        self.launch(
+            "quantize_acts",
+            (
+                blocks(acts.k, bl as u32),
+                u32::try_from(m).unwrap_or(u32::MAX),
+                1,
+            ),
+            (32, 1, 1),
+            &[
+                Arg::Ptr(self.ptr(x, 0)),
+                Arg::I32(i32_of("k", acts.k)?),
+                Arg::I32(i32_of("block", bl)?),
+                Arg::Ptr(self.ptr(&acts.qs, 0)),
+                Arg::Ptr(self.ptr(&acts.d, 0)),
+            ],
+        )
+    }
+
+    /// `out[r][j] = w[j] · x[r]` for `m` rows: quantized weights read `acts` (made from `x`
+    /// by [`Device::quantize_acts`] in the weight's activation layout), float weights
+    /// read `x` itself.
+    pub fn matmul(
+        &self,
+        w: &DevMatrix,
+        x: &Buf<f32>,
+        acts: Option<&DevActs>,
+        out: &mut Buf<f32>,
+        m: usize,
+    ) -> Result<(), CudaError> {
+        if out.len() < m * w.n || x.len() < m * w.k {
+            return Err(CudaError::Shape(format!(
+                "matmul {}×{} over {m} rows: output {} input {}",
+                w.n,
+                w.k,
+                out.len(),
+                x.len()
+            )));
+        }
+        let kernel = matmul_kernel(w.format)?;
+        let (n, k, mi) = (i32_of("n", w.n)?, i32_of("k", w.k)?, i32_of("m", m)?);
+        if w.format.is_float() {
+            let kind = match w.format {
+                Format::F32 => 0,
+                Format::F16 => 1,
+                _ => 2,
+            };
+            return self.launch(
+                kernel,
+                (blocks(w.n, 128), u32::try_from(m).unwrap_or(u32::MAX), 1),
+                (128, 1, 1),
+                &[
+                    Arg::Ptr(self.ptr(&w.data, 0)),
+                    Arg::Ptr(self.ptr(x, 0)),
+                    Arg::Ptr(self.ptr(out, 0)),
+                    Arg::I32(n),
+                    Arg::I32(k),
+                    Arg::I32(mi),
+                    Arg::I32(kind),
+                ],
+            );
+        }
+        let acts =
+            acts.ok_or_else(|| CudaError::Shape("quantized matmul without activations".into()))?;
+        if acts.layout != w.format.act_layout() || acts.k != w.k || m > acts.cap {
+            return Err(CudaError::Shape(format!(
+                "activations {:?}×{} (room {}) for {} weights of k {} over {m} rows",
+                acts.layout, acts.k, acts.cap, w.format, w.k
+            )));
+        }
+        // Row tiling by batch size: 1, 4 or 16 rows per warp (the same arithmetic per row).
+        let (name, mt) = match m {
+            1 => (format!("{kernel}_m1"), 1),
+            2..=8 => (kernel.to_string(), MT),
+            _ => (format!("{kernel}_m16"), 16),
+        };
+        self.launch(
+            &name,
+            (
+                blocks(w.n, 4),
+                u32::try_from(m.div_ceil(mt)).unwrap_or(u32::MAX),
+                1,
+            ),
+            (128, 1, 1),
+            &[
+                Arg::Ptr(self.ptr(&w.data, 0)),
+                Arg::Ptr(self.ptr(&acts.qs, 0)),
+                Arg::Ptr(self.ptr(&acts.d, 0)),
+                Arg::Ptr(self.ptr(out, 0)),
+                Arg::I32(n),
+                Arg::I32(k),
+                Arg::I32(mi),
+            ],
+        )
+    }
+
+    /// RMSNorm of `rows` rows of `n`: `out = x / rms(x) * w`.
+    pub fn rms_norm(
+        &self,
+        x: &Buf<f32>,
+        w: &Buf<f32>,
+        out: &mut Buf<f32>,
+        rows: usize,
+        n: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        self.rms_norm_at(x, 0, w, out, 0, rows, n, eps)
+    }
+
+    /// [`Device::rms_norm`] reading `x` from element `x_off`, writing from `out_off`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rms_norm_at(
+        &self,
+        x: &Buf<f32>,
+        x_off: usize,
+        w: &Buf<f32>,
+        out: &mut Buf<f32>,
+        out_off: usize,
+        rows: usize,
+        n: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        if x_off + rows * n > x.len() || out_off + rows * n > out.len() || w.len() < n {
+            return Err(CudaError::Shape(format!("rms_norm {rows}×{n}")));
+        }
+        self.launch(
+            "rms_norm",
+            (u32::try_from(rows).unwrap_or(u32::MAX), 1, 1),
+            (32, 1, 1),
+            &[
+                Arg::Ptr(self.ptr(x, x_off)),
+                Arg::Ptr(self.ptr(w, 0)),
+                Arg::Ptr(self.ptr(out, out_off)),
+                Arg::I32(i32_of("n", n)?),
+                Arg::F32(eps),
+            ],
+        )
+    }
+
+    /// `x[i] += y[i]` for `len` elements.
+    pub fn add_in_place(
+        &self,
+        x: &mut Buf<f32>,
+        y: &Buf<f32>,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        if len > x.len() || len > y.len() {
+            return Err(CudaError::Shape(format!("add of {len}")));
+        }
+        self.launch(
+            "add_in_place",
+            (blocks(len, EW), 1, 1),
+            (EW, 1, 1),
+            &[
+                Arg::Ptr(self.ptr(x, 0)),
+                Arg::Ptr(self.ptr(y, 0)),
+                Arg::I32(i32_of("len", len)?),
+            ],
+        )
+    }
+
+    /// `x[r][i] += b[i]` over `len` elements of rows of `n`.
+    pub fn add_bias(
+        &self,
+        x: &mut Buf<f32>,
+        b: &Buf<f32>,
+        n: usize,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        if len > x.len() || n > b.len() || n == 0 {
+            return Err(CudaError::Shape(format!("bias of {n} over {len}")));
+        }
+        self.launch(
+            "add_bias",
+            (blocks(len, EW), 1, 1),
+            (EW, 1, 1),
+            &[
+                Arg::Ptr(self.ptr(x, 0)),
+                Arg::Ptr(self.ptr(b, 0)),
+                Arg::I32(i32_of("n", n)?),
+                Arg::I32(i32_of("len", len)?),
+            ],
+        )
+    }
+
+    /// `g[i] = silu(g[i]) * u[i]` for `len` elements.
+    pub fn swiglu(&self, g: &mut Buf<f32>, u: &Buf<f32>, len: usize) -> Result<(), CudaError> {
+        if len > g.len() || len > u.len() {
+            return Err(CudaError::Shape(format!("swiglu of {len}")));
+        }
+        self.launch(
+            "swiglu",
+            (blocks(len, EW), 1, 1),
+            (EW, 1, 1),
+            &[
+                Arg::Ptr(self.ptr(g, 0)),
+                Arg::Ptr(self.ptr(u, 0)),
+                Arg::I32(i32_of("len", len)?),
+            ],
+        )
+    }
+
+    /// RoPE in place over `rows` rows of `width` (whole heads of `head_dim`), positions
+    /// `pos`, tables `cos`/`sin` of `dims / 2` values per position.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        x: &mut Buf<f32>,
+        pos: &Buf<i32>,
+        cos: &Buf<f32>,
+        sin: &Buf<f32>,
+        rows: usize,
+        width: usize,
+        head_dim: usize,
+        dims: usize,
+        neox: bool,
+    ) -> Result<(), CudaError> {
+        if head_dim == 0
+            || !width.is_multiple_of(head_dim)
+            || dims > head_dim
+            || !dims.is_multiple_of(2)
+        {
+            return Err(CudaError::Shape(format!(
+                "rope width {width} head {head_dim} dims {dims}"
+            )));
+        }
+        if rows * width > x.len() || rows > pos.len() {
+            return Err(CudaError::Shape(format!("rope of {rows} rows")));
+        }
+        let total = rows * (width / head_dim) * (dims / 2);
+        self.launch(
+            "rope",
+            (blocks(total, EW), 1, 1),
+            (EW, 1, 1),
+            &[
+                Arg::Ptr(self.ptr(x, 0)),
+                Arg::Ptr(self.ptr(pos, 0)),
+                Arg::Ptr(self.ptr(cos, 0)),
+                Arg::Ptr(self.ptr(sin, 0)),
+                Arg::I32(i32_of("rows", rows)?),
+                Arg::I32(i32_of("width", width)?),
+                Arg::I32(i32_of("head_dim", head_dim)?),
+                Arg::I32(i32_of("dims", dims)?),
+                Arg::I32(i32::from(neox)),
+            ],
+        )
+    }
+
+    /// Greedy choice per row on the device: `out[r]` = the index of the largest of the
+    /// `n` logits of row `r` (ties to the lowest id, NaN never chosen).
+    pub fn argmax_rows(
+        &self,
+        logits: &Buf<f32>,
+        rows: usize,
+        n: usize,
+        out: &mut Buf<i32>,
+    ) -> Result<(), CudaError> {
+        if rows * n > logits.len() || rows > out.len() {
+            return Err(CudaError::Shape(format!("argmax of {rows}×{n}")));
+        }
+        self.launch(
+            "argmax_rows",
+            (u32::try_from(rows).unwrap_or(u32::MAX), 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(self.ptr(logits, 0)),
+                Arg::I32(i32_of("n", n)?),
+                Arg::Ptr(self.ptr(out, 0)),
+            ],
+        )
+    }
+
+    // ---- host-in / host-out forms (oracle tests, tools) -------------------------------
+
+    /// `m` rows of `x` times the `n × k` matrix `w` (GGUF bytes), on the device; returns
+    /// `m × n` values row-major (as `quant::Kernels::matmul`).
+    pub fn matmul_host(
+        &self,
+        format: Format,
+        w: &[u8],
+        n: usize,
+        k: usize,
+        x: &[f32],
+    ) -> Result<Vec<f32>, CudaError> {
+        if k == 0 || !x.len().is_multiple_of(k) {
+            return Err(CudaError::Shape(format!(
+                "input of {} is not rows of {k}",
+                x.len()
+            )));
+        }
+        let m = x.len() / k;
+        let wm = self.upload_matrix(format, w, n, k)?;
+        let xb = self.upload(x)?;
+        let mut out = self.zeros::<f32>(m * n)?;
+        if format.is_float() {
+            self.matmul(&wm, &xb, None, &mut out, m)?;
+        } else {
+            let mut acts = DevActs::new(self, format.act_layout(), k, m)?;
+            self.quantize_acts(&xb, m, &mut acts)?;
+            self.matmul(&wm, &xb, Some(&acts), &mut out, m)?;
+        }
+        self.read(&out, m * n)
+    }
+
+    /// The activation quantizer on the device: codes and block scales of the rows of `x`.
+    pub fn quantize_host(
+        &self,
+        layout: ActLayout,
+        k: usize,
+        x: &[f32],
+    ) -> Result<(Vec<i8>, Vec<f32>), CudaError> {
+        if k == 0 || !x.len().is_multiple_of(k) {
+            return Err(CudaError::Shape(format!(
+                "input of {} is not rows of {k}",
+                x.len()
+            )));
+        }
+        let m = x.len() / k;
+        let xb = self.upload(x)?;
+        let mut acts = DevActs::new(self, layout, k, m)?;
+        self.quantize_acts(&xb, m, &mut acts)?;
+        let qs = self.read(&acts.qs, m * k)?;
+        let d = self.read(&acts.d, m * k / layout.block_len())?;
+        Ok((qs, d))
+    }
+
+    /// RMSNorm of the rows of `x` (row length `w.len()`) on the device.
+    pub fn rms_norm_host(&self, x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>, CudaError> {
+        let n = w.len();
+        if n == 0 || !x.len().is_multiple_of(n) {
+            return Err(CudaError::Shape(format!("rms_norm of {} by {n}", x.len())));
+        }
+        let (xb, wb) = (self.upload(x)?, self.upload(w)?);
+        let mut out = self.zeros::<f32>(x.len())?;
+        self.rms_norm(&xb, &wb, &mut out, x.len() / n, n, eps)?;
+        self.read(&out, x.len())
+    }
+
+    /// SwiGLU (`silu(g) * u`) on the device.
+    pub fn swiglu_host(&self, g: &[f32], u: &[f32]) -> Result<Vec<f32>, CudaError> {
+        let (mut gb, ub) = (self.upload(g)?, self.upload(u)?);
+        self.swiglu(&mut gb, &ub, g.len().min(u.len()))?;
+        self.read(&gb, g.len())
+    }
+
+    /// `a + b` on the device.
+    pub fn add_host(&self, a: &[f32], b: &[f32]) -> Result<Vec<f32>, CudaError> {
+        let (mut ab, bb) = (self.upload(a)?, self.upload(b)?);
+        self.add_in_place(&mut ab, &bb, a.len().min(b.len()))?;
+        self.read(&ab, a.len())
+    }
+
+    /// RoPE of the rows of `x` (one position per row) with the table `table`.
+    pub fn rope_host(
+        &self,
+        x: &[f32],
+        head_dim: usize,
+        positions: &[usize],
+        table: &backend_cpu::RopeTable,
+        neox: bool,
+    ) -> Result<Vec<f32>, CudaError> {
+        let rows = positions.len();
+        if rows == 0 || !x.len().is_multiple_of(rows) {
+            return Err(CudaError::Shape("rope rows".into()));
+        }
+        let (cos, sin) = rope_tables(table)?;
+        let (cb, sb) = (self.upload(&cos)?, self.upload(&sin)?);
+        let pos: Vec<i32> = positions
+            .iter()
+            .map(|&p| i32_of("pos", p))
+            .collect::<Result<_, _>>()?;
+        let pb = self.upload(&pos)?;
+        let mut xb = self.upload(x)?;
+        self.rope(
+            &mut xb,
+            &pb,
+            &cb,
+            &sb,
+            rows,
+            x.len() / rows,
+            head_dim,
+            table.dims(),
+            neox,
+        )?;
+        self.read(&xb, x.len())
+    }
+
+    /// Greedy choice of each row of `logits` (rows of `n`) on the device.
+    pub fn argmax_host(&self, logits: &[f32], n: usize) -> Result<Vec<u32>, CudaError> {
+        if n == 0 || !logits.len().is_multiple_of(n) {
+            return Err(CudaError::Shape("argmax rows".into()));
+        }
+        let rows = logits.len() / n;
+        let lb = self.upload(logits)?;
+        let mut out = self.zeros::<i32>(rows)?;
+        self.argmax_rows(&lb, rows, n, &mut out)?;
+        Ok(self
+            .read(&out, rows)?
+            .into_iter()
+            .map(|v| v as u32)
+            .collect())
+    }
+}
+
+/// The cos and sin tables of every position of `table`, flattened (`dims / 2` per
+/// position).
+pub(crate) fn rope_tables(
+    table: &backend_cpu::RopeTable,
+) -> Result<(Vec<f32>, Vec<f32>), CudaError> {
+    let half = table.dims() / 2;
+    let np = table.n_positions();
+    let (mut cos, mut sin) = (Vec::with_capacity(np * half), Vec::with_capacity(np * half));
+    for p in 0..np {
+        let (c, s) = table
+            .row(p)
+            .map_err(|e| CudaError::Shape(format!("rope table: {e}")))?;
+        cos.extend_from_slice(c);
+        sin.extend_from_slice(s);
+    }
+    Ok((cos, sin))
+}

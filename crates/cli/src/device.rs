@@ -1,0 +1,165 @@
+//! `--device cpu|cuda[:N]|auto`: which backend runs the forward.
+//!
+//! `auto` (the default) takes CUDA device 0 when this binary was built with the `cuda`
+//! feature and the device opens, and says so on stderr; otherwise the CPU. Asking for
+//! CUDA explicitly where it is not usable is an error, never a silent fall-back.
+
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use engine::{ForwardBackend, ModelBackend};
+use gguf::GgufFile;
+
+use crate::args::ModelArgs;
+use crate::load;
+
+/// A `--device` value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceArg {
+    /// CUDA when usable, else the CPU.
+    Auto,
+    /// The CPU backend.
+    Cpu,
+    /// CUDA device N.
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceArg {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(DeviceArg::Auto),
+            "cpu" => Ok(DeviceArg::Cpu),
+            "cuda" => Ok(DeviceArg::Cuda(0)),
+            _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(DeviceArg::Cuda(n)),
+                _ => Err(format!(
+                    "unknown device {s:?}: use cpu, cuda, cuda:N or auto"
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceArg::Auto => f.write_str("auto"),
+            DeviceArg::Cpu => f.write_str("cpu"),
+            DeviceArg::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// For commands that run on the CPU only: an error when CUDA was asked for explicitly.
+pub fn cpu_only(args: &ModelArgs, command: &str) -> anyhow::Result<()> {
+    if let DeviceArg::Cuda(_) = args.device {
+        bail!(
+            "`lockstep {command}` runs on the CPU only for now; drop --device {}",
+            args.device
+        );
+    }
+    Ok(())
+}
+
+/// The engine backend for `args`: the model loaded on the chosen device. Returns the
+/// backend, its context length and its vocabulary width.
+pub fn backend(
+    gguf: &Arc<GgufFile>,
+    args: &ModelArgs,
+    name: &str,
+) -> anyhow::Result<(Box<dyn ForwardBackend>, usize, usize)> {
+    let cuda = match args.device {
+        DeviceArg::Cpu => None,
+        DeviceArg::Cuda(n) => Some((n, true)),
+        DeviceArg::Auto => backend_cuda::cuda_built().then_some((0, false)),
+    };
+    if let Some((ordinal, explicit)) = cuda {
+        match cuda_backend(gguf, args, ordinal) {
+            Ok(b) => return Ok(b),
+            Err(e) if explicit => {
+                return Err(e).with_context(|| format!("--device cuda:{ordinal} for {name}"));
+            }
+            Err(e) => {
+                if backend_cuda::cuda_device_count() > 0 {
+                    eprintln!("note: CUDA is present but {e:#}; running {name} on the CPU");
+                }
+            }
+        }
+    }
+    let model = Arc::new(load::load_model(gguf, args).with_context(|| format!("loading {name}"))?);
+    let (n_ctx, n_vocab) = (model.n_ctx(), model.config().n_vocab);
+    Ok((Box::new(ModelBackend::new(model)), n_ctx, n_vocab))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend(
+    gguf: &Arc<GgufFile>,
+    args: &ModelArgs,
+    ordinal: usize,
+) -> anyhow::Result<(Box<dyn ForwardBackend>, usize, usize)> {
+    if args.kv_type != crate::args::KvTypeArg::F16 {
+        bail!("the CUDA backend keeps its KV cache in f16 only (drop --kv-type)");
+    }
+    let n_ctx = load::context_length(gguf, args.ctx_size)?;
+    let b = backend_cuda::load_backend(ordinal, Arc::clone(gguf), Some(n_ctx))?;
+    let dev = b.model().device();
+    eprintln!(
+        "using CUDA device {} ({}, sm_{}{})",
+        dev.ordinal(),
+        dev.name(),
+        dev.compute_capability().0,
+        dev.compute_capability().1
+    );
+    let n_vocab = b.model().config().n_vocab;
+    Ok((Box::new(b), n_ctx, n_vocab))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(
+    _gguf: &Arc<GgufFile>,
+    _args: &ModelArgs,
+    _ordinal: usize,
+) -> anyhow::Result<(Box<dyn ForwardBackend>, usize, usize)> {
+    Err(backend_cuda::CudaError::NotBuilt.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_values_parse() {
+        assert_eq!("cpu".parse::<DeviceArg>(), Ok(DeviceArg::Cpu));
+        assert_eq!("auto".parse::<DeviceArg>(), Ok(DeviceArg::Auto));
+        assert_eq!("cuda".parse::<DeviceArg>(), Ok(DeviceArg::Cuda(0)));
+        assert_eq!("cuda:3".parse::<DeviceArg>(), Ok(DeviceArg::Cuda(3)));
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", ""] {
+            assert!(bad.parse::<DeviceArg>().is_err(), "{bad}");
+        }
+        assert_eq!(DeviceArg::Cuda(2).to_string(), "cuda:2");
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn explicit_cuda_without_the_feature_is_a_clear_error() {
+        let mut w = gguf::GgufWriter::new();
+        w.add("general.architecture", "llama").unwrap();
+        let g = Arc::new(GgufFile::from_bytes(w.to_bytes()).unwrap());
+        let e = cuda_backend(
+            &g,
+            &ModelArgs {
+                model: "x".into(),
+                threads: None,
+                ctx_size: None,
+                kv_type: crate::args::KvTypeArg::F16,
+                device: DeviceArg::Cuda(0),
+            },
+            0,
+        )
+        .err()
+        .unwrap();
+        assert!(e.to_string().contains("built without CUDA support"), "{e}");
+    }
+}
