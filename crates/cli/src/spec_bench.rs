@@ -183,6 +183,21 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
             },
         ),
     ];
+    // The same drafters with the n-gram's prompt cursor in token space only (what the text
+    // cursor buys on extraction).
+    configs.push((
+        "ngram(token cursor)+ff".into(),
+        SpecConfig {
+            policy: policy.clone(),
+            ..SpecConfig::auto(DrafterSet {
+                ngram: Some(spec::NgramConfig {
+                    text_cursor: false,
+                    ..spec::NgramConfig::default()
+                }),
+                ..DrafterSet::free(3)
+            })
+        },
+    ));
     if let Some(dm) = &draft {
         configs.push((
             format!("draft {}+ff", dm.name()),

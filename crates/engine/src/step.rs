@@ -367,6 +367,8 @@ struct Loop<'t> {
     shared: Arc<Shared>,
     backend: Box<dyn ForwardBackend>,
     tok: &'t Tokenizer,
+    /// The same tokenizer, shared with the drafters that work in text space.
+    tok_arc: Arc<Tokenizer>,
     cfg: EngineConfig,
     limits: Limits,
     running: Vec<Seq<'t>>,
@@ -402,6 +404,7 @@ fn run(
         shared: shared.clone(),
         backend,
         tok: tok_ref,
+        tok_arc: Arc::clone(&tok),
         cfg,
         limits,
         running: Vec::new(),
@@ -459,7 +462,9 @@ impl<'t> Loop<'t> {
         let spec_cfg = &self.cfg.spec;
         let drafter: Option<Box<dyn Drafter>> = match req.drafter {
             Some(d) if !req.no_spec => Some(d),
-            None if !req.no_spec && spec_cfg.is_on() => Some(Box::new(spec_cfg.drafters.build())),
+            None if !req.no_spec && spec_cfg.is_on() => Some(Box::new(
+                spec_cfg.drafters.build_with_text(Some(&self.tok_arc)),
+            )),
             _ => None,
         };
         let spec = drafter.map(|drafter| SeqSpec {

@@ -481,3 +481,86 @@ fn qwen_coder_half_b_drafting_for_one_and_a_half_b_equals_plain_decoding() {
     eprintln!("qwen draft model: {s:?} rate {:.2}", s.accept_rate());
     assert!(s.drafted > 0 && s.accepted > 0, "{s:?}");
 }
+
+#[test]
+fn extraction_under_a_schema_copies_values_in_text_space_and_equals_plain_decoding() {
+    use grammar::{Constraint, GrammarLimits, TokenEnv};
+    let t = load("qwen2.5-coder-0.5b", 512);
+    let env = TokenEnv::with_logit_width(t.tok.clone(), t.model.config().n_vocab).expect("env");
+    let schema = Constraint::json_schema(serde_json::json!({
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer"},
+                "city": {"type": "string"},
+                "email": {"type": "string"}
+            },
+            "required": ["name", "age", "city", "email"],
+            "additionalProperties": false
+        }
+    }))
+    .compile(&env, &GrammarLimits::default())
+    .expect("schema compiles");
+    // In this prompt `,London` is `,L` `ondon`; inside the JSON string the model writes
+    // `London`: only a cursor in text space can propose the values.
+    let prompt = t.tok.encode(
+        "<|im_start|>system\nYou convert CSV to JSON.<|im_end|>\n<|im_start|>user\n\
+         Convert this CSV to a JSON array with one object per row:\nname,age,city,email\n\
+         Ada Lovelace,36,London,ada@example.com\nAlan Turing,41,Wilmslow,alan@example.com\n\
+         Grace Hopper,85,Arlington,grace@example.com\n<|im_end|>\n<|im_start|>assistant\n",
+        EncodeOptions::raw_prompt(),
+    );
+    let reqs = || {
+        temps()
+            .into_iter()
+            .map(|p| {
+                let mut r = request(prompt.clone(), p, 160);
+                r.constraint = Some(Box::new(schema.matcher()));
+                r
+            })
+            .collect::<Vec<_>>()
+    };
+    let pe = engine(&t, SpecConfig::default());
+    let plain = run_all(&pe, reqs());
+    pe.shutdown();
+    let greedy = plain[0].text();
+    let rows: serde_json::Value =
+        serde_json::from_str(&greedy).unwrap_or_else(|e| panic!("{e}: {greedy}"));
+    assert_eq!(rows[1]["city"], "Wilmslow", "{greedy}");
+    let mut stats = Vec::new();
+    for text_cursor in [true, false] {
+        let drafters = DrafterSet {
+            ngram: Some(spec::NgramConfig {
+                text_cursor,
+                ..spec::NgramConfig::default()
+            }),
+            ..DrafterSet::free(3)
+        };
+        let e = engine(
+            &t,
+            SpecConfig {
+                policy: PolicyConfig::always(8),
+                ..SpecConfig::auto(drafters)
+            },
+        );
+        let runs = run_all(&e, reqs());
+        e.shutdown();
+        let s = assert_identical(
+            &plain,
+            &runs,
+            &format!("extraction text_cursor={text_cursor}"),
+        );
+        // Greedy alone, where the output copies the prompt.
+        let greedy_only = assert_identical(&plain[..1], &runs[..1], "greedy");
+        eprintln!("extraction text_cursor={text_cursor}: {s:?}; greedy {greedy_only:?}");
+        stats.push(greedy_only);
+    }
+    let (text, token) = (stats[0], stats[1]);
+    assert!(text.drafted > 40 && text.accept_rate() > 0.85, "{text:?}");
+    assert!(
+        text.mean_accepted() > 1.5 * token.mean_accepted(),
+        "text space {text:?} against token space {token:?}"
+    );
+}

@@ -24,6 +24,7 @@ mod ngram;
 mod policy;
 mod stats;
 mod testing;
+mod text_cursor;
 
 pub use chain::{Chain, FastForward};
 pub use draft_model::{DraftModel, DraftModelDrafter, check_same_tokenizer};
@@ -91,9 +92,19 @@ impl DrafterSet {
 
     /// A chain for one new sequence: fast-forward, then n-gram, then the draft model.
     pub fn build(&self) -> Chain {
+        self.build_with_text(None)
+    }
+
+    /// [`DrafterSet::build`] with the target's tokenizer, which lets the n-gram drafter
+    /// follow the prompt in text space (values that tokenize differently in the prompt
+    /// and in the output, as in extraction under a grammar).
+    pub fn build_with_text(&self, text: Option<&Arc<text::Tokenizer>>) -> Chain {
         let mut drafters: Vec<Box<dyn Drafter>> = Vec::new();
         if let Some(cfg) = self.ngram {
-            drafters.push(Box::new(NgramDrafter::new(cfg)));
+            drafters.push(Box::new(match text {
+                Some(tok) => NgramDrafter::with_text(cfg, Arc::clone(tok)),
+                None => NgramDrafter::new(cfg),
+            }));
         }
         if let Some(dm) = &self.draft_model {
             drafters.push(Box::new(dm.drafter()));

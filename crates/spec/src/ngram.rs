@@ -14,7 +14,12 @@
 //! re-aligns after tokens the target wrote itself by anchoring on the most recent of them
 //! found just ahead of it in the prompt.
 
+use std::sync::Arc;
+
+use text::Tokenizer;
+
 use crate::drafter::{DraftContext, DraftProposal, Drafter, DrafterKind, Mirror};
+use crate::text_cursor::{TextCursor, TextProposal, has_value_byte};
 
 /// Settings of the n-gram drafter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,12 +28,19 @@ pub struct NgramConfig {
     pub max_n: usize,
     /// Shortest key accepted (1 = a single-token match proposes a continuation).
     pub min_n: usize,
+    /// Under a constraint, follow the prompt in text space first (see
+    /// [`crate::text_cursor`]); needs the tokenizer ([`NgramDrafter::with_text`]).
+    pub text_cursor: bool,
 }
 
 impl Default for NgramConfig {
-    /// Keys of 3, 2 and 1 tokens.
+    /// Keys of 3, 2 and 1 tokens; the text cursor on.
     fn default() -> Self {
-        NgramConfig { max_n: 3, min_n: 1 }
+        NgramConfig {
+            max_n: 3,
+            min_n: 1,
+            text_cursor: true,
+        }
     }
 }
 
@@ -66,6 +78,8 @@ pub struct NgramDrafter {
     /// rejected and the target took the prompt token after it instead (`,` between CSV
     /// fields, a newline between rows). The cursor skips them.
     delimiters: Vec<u32>,
+    /// The text-space prompt cursor (with a tokenizer and `cfg.text_cursor`).
+    text: Option<TextCursor>,
 }
 
 impl NgramDrafter {
@@ -76,11 +90,23 @@ impl NgramDrafter {
             cfg: NgramConfig {
                 max_n,
                 min_n: cfg.min_n.clamp(1, max_n),
+                text_cursor: cfg.text_cursor,
             },
             cursor: None,
             pending: Vec::new(),
             delimiters: Vec::new(),
+            text: None,
         }
+    }
+
+    /// A drafter that can also follow the prompt in text space (when `cfg.text_cursor`):
+    /// `tok` decodes the prompt and re-encodes the text after the cursor.
+    pub fn with_text(cfg: NgramConfig, tok: Arc<Tokenizer>) -> NgramDrafter {
+        let mut d = NgramDrafter::new(cfg);
+        if cfg.text_cursor {
+            d.text = Some(TextCursor::new(tok));
+        }
+        d
     }
 
     /// The prompt cursor, if a span copied from the prompt has been accepted.
@@ -166,6 +192,110 @@ impl NgramDrafter {
     }
 }
 
+impl NgramDrafter {
+    /// Under a constraint with the text cursor: values from the prompt text, the syntax
+    /// between them from the lookup one token at a time (so a copied record's syntax never
+    /// runs on into that record's values), until the cursor says the value ends, nothing
+    /// fits, or `k` tokens are drafted.
+    fn propose_in_text(
+        &mut self,
+        ctx: &DraftContext<'_>,
+        mirror: &mut Mirror<'_>,
+        k: usize,
+    ) -> DraftProposal {
+        let mut ext = ctx.tokens.to_vec();
+        let mut out = DraftProposal::default();
+        let Some(text) = self.text.as_mut() else {
+            return out;
+        };
+        while out.tokens.len() < k {
+            match text.propose(&ext, ctx.prompt_len, k - out.tokens.len(), mirror) {
+                TextProposal::Copy(ts) => {
+                    ext.extend_from_slice(&ts);
+                    out.tokens.extend(ts);
+                }
+                TextProposal::ValueEnds { value_start } => {
+                    // The syntax that closed the previous value after the same key.
+                    let close =
+                        closing_syntax(text, &ext, ctx.prompt_len, value_start, self.cfg.max_n);
+                    let before = out.tokens.len();
+                    for t in close {
+                        if out.tokens.len() >= k || !mirror.try_push(t) {
+                            break;
+                        }
+                        ext.push(t);
+                        out.tokens.push(t);
+                    }
+                    if out.tokens.len() == before {
+                        break;
+                    }
+                }
+                TextProposal::Nothing => {
+                    let next = find_match(&ext, self.cfg.max_n, self.cfg.min_n)
+                        .map(|(_, start)| ext[start]);
+                    match next {
+                        Some(t) if mirror.try_push(t) => {
+                            ext.push(t);
+                            out.tokens.push(t);
+                        }
+                        _ => break,
+                    }
+                }
+            }
+            if out.tokens.last().is_some_and(|&t| ctx.ends(t)) || mirror.is_stopped() {
+                break;
+            }
+        }
+        if !out.tokens.is_empty() {
+            out.source = Some(DrafterKind::Ngram);
+        }
+        out
+    }
+}
+
+/// The syntax tokens that followed the previous value written after the same key: the
+/// value starting at `value_start` is preceded by up to `max_n` key tokens; at their most
+/// recent earlier occurrence in the output, the value tokens after them are skipped and the tokens
+/// without value bytes that follow are returned (`","` after a string, `,"` after a number,
+/// `"},{"` at a record's end). Empty when the key never occurred before.
+fn closing_syntax(
+    text: &TextCursor,
+    tokens: &[u32],
+    prompt_len: usize,
+    value_start: usize,
+    max_n: usize,
+) -> Vec<u32> {
+    let value = |t: u32| has_value_byte(text.bytes(t));
+    for n in (1..=max_n.min(value_start)).rev() {
+        let key = &tokens[value_start - n..value_start];
+        let mut end = value_start;
+        // Only the output's own syntax: the prompt's text around a value is what the
+        // output replaces.
+        while end > n + prompt_len {
+            end -= 1;
+            if tokens[end - n..end] != *key {
+                continue;
+            }
+            let mut i = end;
+            while i < value_start && value(tokens[i]) {
+                i += 1;
+            }
+            if i == end {
+                continue;
+            }
+            let close: Vec<u32> = tokens[i..value_start]
+                .iter()
+                .take_while(|&&t| !value(t) && !text.bytes(t).is_empty())
+                .copied()
+                .collect();
+            if !close.is_empty() {
+                return close;
+            }
+        }
+    }
+    Vec::new()
+}
+
 /// The start of the continuation after the most recent earlier occurrence of the last `n`
 /// tokens of `tokens`, trying `n` from `max_n` down to `min_n`: `(n, start)` where
 /// `tokens[start - n..start]` equals the key and `start < tokens.len()`.
@@ -199,6 +329,9 @@ impl Drafter for NgramDrafter {
             return DraftProposal::default();
         }
         let constrained = mirror.is_constrained();
+        if constrained && self.text.is_some() {
+            return self.propose_in_text(ctx, mirror, k);
+        }
         if constrained {
             let p = self.propose_from_cursor(ctx, mirror, k);
             if !p.is_empty() {
@@ -219,6 +352,9 @@ impl Drafter for NgramDrafter {
     }
 
     fn observe(&mut self, committed: &[u32]) {
+        if let Some(text) = self.text.as_mut() {
+            text.observe(committed);
+        }
         // Where a copy from the prompt was (partly) accepted, the cursor moves to just
         // after the accepted part. Copies from the output leave it alone.
         for c in std::mem::take(&mut self.pending) {

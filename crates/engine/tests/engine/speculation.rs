@@ -374,7 +374,7 @@ fn an_ngram_drafter_proposes_the_prompts_repeats() {
     let e = spec_engine(
         DrafterSet {
             fast_forward: false,
-            ngram: Some(NgramConfig { max_n: 3, min_n: 1 }),
+            ngram: Some(NgramConfig::default()),
             draft_model: None,
         },
         PolicyConfig::always(4),
