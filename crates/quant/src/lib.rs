@@ -54,3 +54,15 @@ pub use format::{ActLayout, Format, QK_K, QK_LEGACY};
 pub use kernels::{Kernels, Path, kernels};
 pub use packed::PackedMatrix;
 pub use quantize::quantize_row;
+
+/// How many bytes ahead of their read position the packed kernels prefetch the weight
+/// stream into L2 (default 16 KiB; 0 turns it off). Results never depend on it; it exists
+/// so the effect can be measured side by side in one process (`cargo run --release -p
+/// lockstep-model --example prefetch_ab`).
+#[doc(hidden)]
+pub fn set_stream_prefetch(bytes_ahead: usize) {
+    #[cfg(target_arch = "x86_64")]
+    x86::packed::STREAM_AHEAD.store(bytes_ahead, std::sync::atomic::Ordering::Relaxed);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes_ahead;
+}

@@ -15,6 +15,7 @@ use crate::packed::{Layout, TILE};
 use crate::{Format, PackedMatrix, QuantizedActs};
 use std::arch::x86_64::*;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Most activation rows per weight-tile pass (AVX-512: 32 registers).
 const MR: usize = 6;
@@ -398,6 +399,7 @@ unsafe fn rd32(p: *const u8) -> i32 {
 unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
     base: *const u8,
     lay: &Layout,
+    stream: Stream,
     h: usize,
     a: &Rows<R>,
     res: &mut [[f32; TILE]; R],
@@ -427,6 +429,7 @@ unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
             if FMT == Q8_0 {
                 let cb = codes.add(512 * b);
                 for c in 0..8 {
+                    stream_ahead(stream, base, lay, h, b, c, 8);
                     let u = P::load(cb.add(64 * c));
                     for i in 0..R {
                         isum[i] = P::dot8(isum[i], u, rd32(a.qs[i].add(32 * b + 4 * c)));
@@ -435,6 +438,7 @@ unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
             } else {
                 let cb = codes.add(256 * b);
                 for t in 0..4 {
+                    stream_ahead(stream, base, lay, h, b, t, 4);
                     let v = P::load(cb.add(64 * t));
                     let mut lo = P::lo4(v);
                     let mut hv = P::hi4(v);
@@ -473,6 +477,7 @@ unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
 unsafe fn k45<P: Pk, const R: usize, const QH: bool>(
     base: *const u8,
     lay: &Layout,
+    stream: Stream,
     h: usize,
     a: &Rows<R>,
     res: &mut [[f32; TILE]; R],
@@ -490,6 +495,7 @@ unsafe fn k45<P: Pk, const R: usize, const QH: bool>(
         for b in 0..lay.nb {
             let mut isum = [P::splat_i(0); R];
             for g in 0..8 {
+                stream_ahead(stream, base, lay, h, b, g, 8);
                 let sc = P::u8s(scp.add(128 * b + 16 * g));
                 let cb = codes.add(2048 * b + 256 * g);
                 let mut s = [P::splat_i(0); R];
@@ -538,6 +544,7 @@ unsafe fn k45<P: Pk, const R: usize, const QH: bool>(
 unsafe fn q6k<P: Pk, const R: usize>(
     base: *const u8,
     lay: &Layout,
+    stream: Stream,
     h: usize,
     a: &Rows<R>,
     res: &mut [[f32; TILE]; R],
@@ -553,6 +560,7 @@ unsafe fn q6k<P: Pk, const R: usize>(
         for b in 0..lay.nb {
             let mut isum = [P::splat_i(0); R];
             for g in 0..8 {
+                stream_ahead(stream, base, lay, h, b, g, 8);
                 let cb = codes.add(2048 * b + 256 * g);
                 let v = [
                     P::load(cb),
@@ -593,6 +601,48 @@ unsafe fn q6k<P: Pk, const R: usize>(
     }
 }
 
+/// Bytes ahead of the kernel's read position that the weight stream is prefetched into L2
+/// (0 = off). Measured on the decode of qwen2.5-coder-1.5b (BENCHMARKS.md, "Decode:
+/// streaming prefetch"): into L1 (`T0`) the prefetches fill the line-fill buffers and stall
+/// the loads the kernel needs now; into L2 at 16–64 KiB ahead they keep the memory stream
+/// going while the core computes.
+pub(crate) static STREAM_AHEAD: AtomicUsize = AtomicUsize::new(16 << 10);
+
+/// The weight stream of one thread's tiles: where they end, and how far ahead to fetch.
+#[derive(Clone, Copy)]
+struct Stream {
+    end: *const u8,
+    ahead: usize,
+}
+
+/// Prefetches (into L2) part `part` of `parts` of one block's share of a tile,
+/// `stream.ahead` bytes ahead of block `b` of the tile at `base`. Tiles are contiguous, so
+/// this runs on into the thread's next tiles; nothing past its last tile is fetched. Spread
+/// over a block's inner loop, because a burst of prefetches stalls the core.
+#[inline(always)]
+fn stream_ahead(
+    stream: Stream,
+    base: *const u8,
+    lay: &Layout,
+    h: usize,
+    b: usize,
+    part: usize,
+    parts: usize,
+) {
+    if stream.ahead == 0 || h != 0 {
+        return;
+    }
+    let bpb = lay.tile / lay.nb.max(1);
+    let slice = bpb.div_ceil(parts).div_ceil(64) * 64;
+    let at = base.wrapping_add(b * bpb + part * slice + stream.ahead);
+    let mut o = 0;
+    while o < slice && (at.wrapping_add(o) as usize) < stream.end as usize {
+        // SAFETY: a prefetch is only a hint; it never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(o) as *const i8) };
+        o += 64;
+    }
+}
+
 /// Tiles `tiles` × activation rows `ms` (a multiple of R rows), R rows per pass.
 #[inline(always)]
 unsafe fn run<P: Pk, const R: usize, const FMT: u8>(
@@ -604,22 +654,13 @@ unsafe fn run<P: Pk, const R: usize, const FMT: u8>(
     let k = acts.k;
     let nb = k / acts.layout.block_len();
     let lay = c.layout;
+    let stream = Stream {
+        end: c.tiles.wrapping_add(tiles.end * lay.tile),
+        ahead: STREAM_AHEAD.load(Ordering::Relaxed),
+    };
     for t in tiles.clone() {
         // SAFETY: t < number of tiles (the caller derives `tiles` from a validated range).
         let base = unsafe { c.tiles.add(t * lay.tile) };
-        if ms.len() <= MR && t + 1 < tiles.end {
-            // Ask for the next tile while this one computes: with several activation rows
-            // a tile takes long enough that the hardware prefetcher alone lets the memory
-            // stream stall.
-            let next = base.wrapping_add(lay.tile);
-            let mut off = 0;
-            while off < lay.tile {
-                // SAFETY: a prefetch is only a hint; it never faults, and the address lies
-                // inside the next tile of the same buffer.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off) as *const i8) };
-                off += 64;
-            }
-        }
         let lanes =
             c.n_range.start.max(t * TILE) - t * TILE..c.n_range.end.min((t + 1) * TILE) - t * TILE;
         let mut m = ms.start;
@@ -650,11 +691,11 @@ unsafe fn run<P: Pk, const R: usize, const FMT: u8>(
                 unsafe {
                     match FMT {
                         Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 => {
-                            legacy::<P, R, FMT>(base, &lay, h, &rows, &mut res)
+                            legacy::<P, R, FMT>(base, &lay, stream, h, &rows, &mut res)
                         }
-                        Q4K => k45::<P, R, false>(base, &lay, h, &rows, &mut res),
-                        Q5K => k45::<P, R, true>(base, &lay, h, &rows, &mut res),
-                        _ => q6k::<P, R>(base, &lay, h, &rows, &mut res),
+                        Q4K => k45::<P, R, false>(base, &lay, stream, h, &rows, &mut res),
+                        Q5K => k45::<P, R, true>(base, &lay, stream, h, &rows, &mut res),
+                        _ => q6k::<P, R>(base, &lay, stream, h, &rows, &mut res),
                     }
                 }
             }
