@@ -38,6 +38,7 @@
 //! and qwen2; `gemma3`), `exec` (thread-pool matmuls split over N), `memory` (estimates).
 
 mod config;
+mod deepseek4;
 mod error;
 mod exec;
 mod gemma3;
@@ -49,6 +50,9 @@ mod weights;
 
 pub use backend_cpu::{KvCache, KvType, SeqKv, ThreadPool};
 pub use config::{Arch, Config, RopeScaling, SUPPORTED_ARCHITECTURES};
+pub use deepseek4::{
+    Deepseek4, Deepseek4Config, Deepseek4Scratch, Deepseek4State, V4Attention, Yarn,
+};
 pub use error::ModelError;
 pub use layers::ForwardScratch;
 pub use memory::{
