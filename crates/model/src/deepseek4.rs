@@ -347,9 +347,7 @@ impl Deepseek4Config {
                 }
             });
         }
-        let any_csa = layers
-            .iter()
-            .any(|l| matches!(l, V4Attention::Csa { .. }));
+        let any_csa = layers.iter().any(|l| matches!(l, V4Attention::Csa { .. }));
         let (indexer_heads, indexer_dim, indexer_top_k) = if any_csa {
             let h = req("attention.indexer.head_count")?;
             let d = req("attention.indexer.key_length")?;
@@ -527,7 +525,8 @@ impl Rope {
             Some(y) => {
                 let d = dims as f64;
                 let l0 = y.original_context as f64;
-                let corr = |r: f64| d * (l0 / (r * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+                let corr =
+                    |r: f64| d * (l0 / (r * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
                 let low = corr(f64::from(y.beta_fast)).floor().max(0.0);
                 let mut high = corr(f64::from(y.beta_slow)).ceil().min(d - 1.0);
                 if low == high {
@@ -702,7 +701,13 @@ pub struct Deepseek4 {
     ones: Vec<f32>,
 }
 
-fn load_hc(l: &Loader<'_>, prefix: &str, nd: usize, n_mix: usize, n_scale: usize) -> Result<Hc, ModelError> {
+fn load_hc(
+    l: &Loader<'_>,
+    prefix: &str,
+    nd: usize,
+    n_mix: usize,
+    n_scale: usize,
+) -> Result<Hc, ModelError> {
     Ok(Hc {
         mix: l.matrix(&format!("{prefix}_fn.weight"), nd, n_mix)?,
         base: l.vector(&format!("{prefix}_base.weight"), n_mix)?,
@@ -775,7 +780,14 @@ impl Deepseek4 {
             let (comp, indexer) = match kind {
                 V4Attention::Sliding => (None, None),
                 V4Attention::Hca { ratio } => (
-                    Some(load_compressor(&l, &t("attn_compressor"), d, hd, ratio, false)?),
+                    Some(load_compressor(
+                        &l,
+                        &t("attn_compressor"),
+                        d,
+                        hd,
+                        ratio,
+                        false,
+                    )?),
                     None,
                 ),
                 V4Attention::Csa { ratio } => {
@@ -786,7 +798,14 @@ impl Deepseek4 {
                         proj: l.matrix(&t("indexer.proj.weight"), d, ni)?,
                     };
                     (
-                        Some(load_compressor(&l, &t("attn_compressor"), d, hd, ratio, true)?),
+                        Some(load_compressor(
+                            &l,
+                            &t("attn_compressor"),
+                            d,
+                            hd,
+                            ratio,
+                            true,
+                        )?),
                         Some(indexer),
                     )
                 }
@@ -830,9 +849,24 @@ impl Deepseek4 {
             } else {
                 Routing::Learned(l.vector(&t("exp_probs_b.bias"), e)?)
             };
-            let gate = l.matrix_parts(&t("ffn_gate_exps.weight"), &[d as u64, f as u64, e as u64], f, e)?;
-            let up = l.matrix_parts(&t("ffn_up_exps.weight"), &[d as u64, f as u64, e as u64], f, e)?;
-            let down = l.matrix_parts(&t("ffn_down_exps.weight"), &[f as u64, d as u64, e as u64], d, e)?;
+            let gate = l.matrix_parts(
+                &t("ffn_gate_exps.weight"),
+                &[d as u64, f as u64, e as u64],
+                f,
+                e,
+            )?;
+            let up = l.matrix_parts(
+                &t("ffn_up_exps.weight"),
+                &[d as u64, f as u64, e as u64],
+                f,
+                e,
+            )?;
+            let down = l.matrix_parts(
+                &t("ffn_down_exps.weight"),
+                &[f as u64, d as u64, e as u64],
+                d,
+                e,
+            )?;
             let experts = gate
                 .into_iter()
                 .zip(up)
@@ -981,24 +1015,38 @@ impl Deepseek4 {
         s.prepare(&self.cfg, m);
         let rd = self.cfg.n_rot;
         for (r, row) in rows.iter().enumerate() {
-            self.rope_main.cos_sin(row.pos, &mut s.cs_main[r * rd..(r + 1) * rd]);
-            self.rope_comp.cos_sin(row.pos, &mut s.cs_comp[r * rd..(r + 1) * rd]);
+            self.rope_main
+                .cos_sin(row.pos, &mut s.cs_main[r * rd..(r + 1) * rd]);
+            self.rope_comp
+                .cos_sin(row.pos, &mut s.cs_comp[r * rd..(r + 1) * rd]);
             let x = &mut s.x[..d];
-            dequantize_row(self.embed.format, self.embed.row(&self.gguf, row.token as usize), x)?;
+            dequantize_row(
+                self.embed.format,
+                self.embed.row(&self.gguf, row.token as usize),
+                x,
+            )?;
             for j in 0..n {
                 let base = (r * n + j) * d;
                 s.h[base..base + d].copy_from_slice(&s.x[..d]);
             }
         }
-        for (li, layer) in self.layers.iter().enumerate() {
-            self.attention(&cx, s, states, rows, li, layer)?;
-            self.moe(&cx, s, rows, layer)?;
+        let mut run = || -> Result<(), ModelError> {
+            for (li, layer) in self.layers.iter().enumerate() {
+                self.attention(&cx, s, states, rows, li, layer)?;
+                self.moe(&cx, s, rows, li, layer)?;
+            }
+            self.head(&cx, s, rows, logits_out)
+        };
+        let result = run();
+        for (st, span) in states.iter_mut().zip(&spans) {
+            match (*span, &result) {
+                (Some((_, last)), Ok(())) => st.len = last + 1,
+                // A failed forward leaves every sequence at its first row's position.
+                (Some((first, _)), Err(_)) => st.cut(first),
+                (None, _) => {}
+            }
         }
-        for row in rows {
-            let st = &mut *states[row.seq];
-            st.len = st.len.max(row.pos + 1);
-        }
-        self.head(&cx, s, rows, logits_out)
+        result
     }
 
     /// Checks the batch; returns each sequence's (first, last) positions.
@@ -1109,7 +1157,9 @@ impl Log {
 
     /// Drops the rows before `i`.
     fn forget_before(&mut self, i: usize) {
-        let drop = i.saturating_sub(self.base).min(self.data.len() / self.width.max(1));
+        let drop = i
+            .saturating_sub(self.base)
+            .min(self.data.len() / self.width.max(1));
         if drop > 0 {
             self.data.drain(..drop * self.width);
             self.base += drop;
@@ -1208,9 +1258,15 @@ impl Deepseek4State {
                 self.floor
             )));
         }
-        if len >= self.len {
-            return Ok(());
+        if len < self.len {
+            self.cut(len);
         }
+        Ok(())
+    }
+
+    /// Cuts every log to `len` positions (also logs a failed forward left longer than
+    /// `self.len`).
+    fn cut(&mut self, len: usize) {
         for l in &mut self.layers {
             l.kv.truncate(len);
             for c in l.comp.iter_mut().chain(l.index.iter_mut()) {
@@ -1218,8 +1274,7 @@ impl Deepseek4State {
                 c.rows.truncate(len / c.ratio);
             }
         }
-        self.len = len;
-        Ok(())
+        self.len = self.len.min(len);
     }
 
     /// Bytes held.
@@ -1303,6 +1358,19 @@ pub struct Deepseek4Scratch {
     route: Vec<(u32, f32)>,
     tmp: Vec<f32>,
     acts: ActsCache,
+    trace: Option<Deepseek4Trace>,
+}
+
+/// The top-k decisions of the forwards run with tracing on
+/// ([`Deepseek4Scratch::set_trace`]), for comparison with a reference.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Deepseek4Trace {
+    /// `(layer, sequence, position, kept rows ascending)` for every CSA query that sees
+    /// more compressed rows than the indexer keeps.
+    pub indexer: Vec<(usize, usize, usize, Vec<u32>)>,
+    /// `(layer, sequence, position, experts ascending)` for every row of every
+    /// learned-routing layer.
+    pub router: Vec<(usize, usize, usize, Vec<u32>)>,
 }
 
 fn grow(v: &mut Vec<f32>, n: usize) {
@@ -1312,6 +1380,19 @@ fn grow(v: &mut Vec<f32>, n: usize) {
 }
 
 impl Deepseek4Scratch {
+    /// Starts (or stops) recording the top-k decisions of later forwards.
+    pub fn set_trace(&mut self, on: bool) {
+        self.trace = on.then(Deepseek4Trace::default);
+    }
+
+    /// The decisions recorded since tracing started or was last taken (empty when off).
+    pub fn take_trace(&mut self) -> Deepseek4Trace {
+        match &mut self.trace {
+            Some(t) => std::mem::take(t),
+            None => Deepseek4Trace::default(),
+        }
+    }
+
     fn prepare(&mut self, c: &Deepseek4Config, m: usize) {
         let (d, n) = (c.n_embd, c.hc_streams);
         let qd = c.n_head * c.head_dim;
@@ -1415,7 +1496,13 @@ fn sigmoid(x: f32) -> f32 {
 }
 
 /// RMSNorm of the `m` rows of `x` (row length `w.len()`) into `out`.
-fn rms_rows(cx: &Cx<'_>, x: &[f32], w: &[f32], out: &mut [f32], m: usize) -> Result<(), ModelError> {
+fn rms_rows(
+    cx: &Cx<'_>,
+    x: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    m: usize,
+) -> Result<(), ModelError> {
     let n = w.len();
     let (ops, eps) = (cx.ops, cx.cfg.rms_eps);
     for_rows(cx.pool, &mut out[..m * n], n, |i, o| {
@@ -1453,7 +1540,9 @@ fn hc_weights(cfg: &Deepseek4Config, hc: &Hc, mix: &[f32], out: &mut [f32]) {
             let i = 2 * n + j * n + k;
             *v = mix[i] * hc.scale[2] + hc.base[i];
         }
-        let mx = row.iter().fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+        let mx = row
+            .iter()
+            .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
         let mut s = 0.0f32;
         for v in row.iter_mut() {
             *v = canon::exp(*v - mx);
@@ -1496,14 +1585,27 @@ fn hc_weights(cfg: &Deepseek4Config, hc: &Hc, mix: &[f32], out: &mut [f32]) {
 impl Deepseek4 {
     /// HC before a block: the weights of every row into `s.hcw` and the collapsed stream
     /// into `s.x`.
-    fn hc_pre(&self, cx: &Cx<'_>, s: &mut Deepseek4Scratch, hc: &Hc, m: usize) -> Result<(), ModelError> {
+    fn hc_pre(
+        &self,
+        cx: &Cx<'_>,
+        s: &mut Deepseek4Scratch,
+        hc: &Hc,
+        m: usize,
+    ) -> Result<(), ModelError> {
         let cfg = cx.cfg;
         let (n, d) = (cfg.hc_streams, cfg.n_embd);
         let nd = n * d;
         let ones = &self.ones[..nd];
         rms_rows(cx, &s.h, ones, &mut s.flat, m)?;
         let nm = cfg.hc_mix();
-        matmul(cx, &mut s.acts, &mut s.tmp, &s.flat, m, &mut [(&hc.mix, &mut s.mix[..])])?;
+        matmul(
+            cx,
+            &mut s.acts,
+            &mut s.tmp,
+            &s.flat,
+            m,
+            &mut [(&hc.mix, &mut s.mix[..])],
+        )?;
         let hw = 2 * n + n * n;
         let mix = &s.mix;
         for_rows(cx.pool, &mut s.hcw[..m * hw], hw, |r, out| {
@@ -1563,7 +1665,7 @@ impl Deepseek4 {
         let cfg = cx.cfg;
         let m = rows.len();
         let a = &layer.attn;
-        let (d, hd, rd) = (cfg.n_embd, cfg.head_dim, cfg.n_rot);
+        let (hd, rd) = (cfg.head_dim, cfg.n_rot);
         let qd = cfg.n_head * hd;
         self.hc_pre(cx, s, &layer.hc_attn, m)?;
         rms_rows(cx, &s.x, &a.norm, &mut s.xn, m)?;
@@ -1628,10 +1730,30 @@ impl Deepseek4 {
             let ls = &mut states[row.seq].layers[li];
             ls.kv.push(&s.kv[r * hd..(r + 1) * hd]);
             if let (Some(w), Some(st)) = (&a.comp, ls.comp.as_mut()) {
-                push_token(cx, w, st, &self.rope_comp, row.pos, &s.cc, &s.cz, r, &mut row_buf);
+                push_token(
+                    cx,
+                    w,
+                    st,
+                    &self.rope_comp,
+                    row.pos,
+                    &s.cc,
+                    &s.cz,
+                    r,
+                    &mut row_buf,
+                )?;
             }
             if let (Some(ix), Some(st)) = (&a.indexer, ls.index.as_mut()) {
-                push_token(cx, &ix.comp, st, &self.rope_comp, row.pos, &s.ic, &s.iz, r, &mut row_buf);
+                push_token(
+                    cx,
+                    &ix.comp,
+                    st,
+                    &self.rope_comp,
+                    row.pos,
+                    &s.ic,
+                    &s.iz,
+                    r,
+                    &mut row_buf,
+                )?;
             }
         }
         let states: &[&mut Deepseek4State] = states;
@@ -1672,6 +1794,13 @@ impl Deepseek4 {
                 chosen.extend(scored[..k].iter().map(|&(_, t)| t));
                 chosen.sort_unstable();
             });
+            if let Some(tr) = &mut s.trace {
+                for (r, row) in rows.iter().enumerate() {
+                    if (row.pos + 1) / ratio > k {
+                        tr.indexer.push((li, row.seq, row.pos, s.sel[r].clone()));
+                    }
+                }
+            }
         }
         // Attention per (row, head).
         {
@@ -1750,14 +1879,27 @@ impl Deepseek4 {
                 s.grp[r * gw..(r + 1) * gw]
                     .copy_from_slice(&s.att[r * qd + gi * gw..r * qd + (gi + 1) * gw]);
             }
-            matmul(cx, &mut s.acts, &mut s.tmp, &s.grp, m, &mut [(wa, &mut s.zg[..])])?;
+            matmul(
+                cx,
+                &mut s.acts,
+                &mut s.tmp,
+                &s.grp,
+                m,
+                &mut [(wa, &mut s.zg[..])],
+            )?;
             for r in 0..m {
                 s.zo[r * g * rk + gi * rk..r * g * rk + (gi + 1) * rk]
                     .copy_from_slice(&s.zg[r * rk..(r + 1) * rk]);
             }
         }
-        matmul(cx, &mut s.acts, &mut s.tmp, &s.zo, m, &mut [(&a.wo_b, &mut s.a[..])])?;
-        let _ = d;
+        matmul(
+            cx,
+            &mut s.acts,
+            &mut s.tmp,
+            &s.zo,
+            m,
+            &mut [(&a.wo_b, &mut s.a[..])],
+        )?;
         self.hc_post(cx, s, m)
     }
 
@@ -1766,6 +1908,7 @@ impl Deepseek4 {
         cx: &Cx<'_>,
         s: &mut Deepseek4Scratch,
         rows: &[BatchRow],
+        li: usize,
         layer: &Layer,
     ) -> Result<(), ModelError> {
         let cfg = cx.cfg;
@@ -1774,9 +1917,16 @@ impl Deepseek4 {
         let (d, e, k) = (cfg.n_embd, cfg.n_expert, cfg.n_expert_used);
         self.hc_pre(cx, s, &layer.hc_ffn, m)?;
         rms_rows(cx, &s.x, &moe.norm, &mut s.xn, m)?;
-        matmul(cx, &mut s.acts, &mut s.tmp, &s.xn, m, &mut [(&moe.router, &mut s.rl[..])])?;
+        matmul(
+            cx,
+            &mut s.acts,
+            &mut s.tmp,
+            &s.xn,
+            m,
+            &mut [(&moe.router, &mut s.rl[..])],
+        )?;
         // Routing: sqrt(softplus) scores, the row's k experts and their gates.
-        for r in 0..m {
+        for (r, row) in rows.iter().enumerate() {
             let l = &s.rl[r * e..(r + 1) * e];
             let sc: Vec<f32> = l
                 .iter()
@@ -1788,7 +1938,7 @@ impl Deepseek4 {
             let route = &mut s.route[r * k..(r + 1) * k];
             match &moe.routing {
                 Routing::Hash(table) => {
-                    let t = rows[r].token as usize;
+                    let t = row.token as usize;
                     for (slot, &x) in route.iter_mut().zip(&table[t * k..(t + 1) * k]) {
                         slot.0 = x;
                     }
@@ -1803,6 +1953,11 @@ impl Deepseek4 {
                     order.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
                     for (slot, &(_, i)) in route.iter_mut().zip(&order) {
                         slot.0 = i;
+                    }
+                    if let Some(tr) = &mut s.trace {
+                        let mut chosen: Vec<u32> = route.iter().map(|x| x.0).collect();
+                        chosen.sort_unstable();
+                        tr.router.push((li, row.seq, row.pos, chosen));
                     }
                 }
             }
@@ -1827,9 +1982,18 @@ impl Deepseek4 {
         let limit = moe.limit;
         match &moe.shared {
             Some(f) => {
-                let fs = f.gate.n;
-                run_ffn(cx, &mut s.acts, &mut s.tmp, f, &s.xn, m, limit, &mut s.sg, &mut s.su, &mut s.a)?;
-                let _ = fs;
+                run_ffn(
+                    cx,
+                    &mut s.acts,
+                    &mut s.tmp,
+                    f,
+                    &s.xn,
+                    m,
+                    limit,
+                    &mut s.sg,
+                    &mut s.su,
+                    &mut s.a,
+                )?;
             }
             None => s.a[..m * d].fill(0.0),
         }
@@ -1851,9 +2015,21 @@ impl Deepseek4 {
             for (i, &(r, _)) in picks.iter().enumerate() {
                 s.xe[i * d..(i + 1) * d].copy_from_slice(&s.xn[r * d..(r + 1) * d]);
             }
-            run_ffn(cx, &mut s.acts, &mut s.tmp, f, &s.xe, ne, limit, &mut s.ge, &mut s.ue, &mut s.ye)?;
+            run_ffn(
+                cx,
+                &mut s.acts,
+                &mut s.tmp,
+                f,
+                &s.xe,
+                ne,
+                limit,
+                &mut s.ge,
+                &mut s.ue,
+                &mut s.ye,
+            )?;
             for (i, &(r, j)) in picks.iter().enumerate() {
-                s.ys[(r * k + j) * d..(r * k + j + 1) * d].copy_from_slice(&s.ye[i * d..(i + 1) * d]);
+                s.ys[(r * k + j) * d..(r * k + j + 1) * d]
+                    .copy_from_slice(&s.ye[i * d..(i + 1) * d]);
             }
         }
         let (ys, route) = (&s.ys, &s.route);
@@ -1893,7 +2069,14 @@ impl Deepseek4 {
         }
         rms_rows(cx, &s.head, &self.ones[..nd], &mut s.flat, nl)?;
         let hc = &self.head_hc;
-        matmul(cx, &mut s.acts, &mut s.tmp, &s.flat, nl, &mut [(&hc.mix, &mut s.mix[..])])?;
+        matmul(
+            cx,
+            &mut s.acts,
+            &mut s.tmp,
+            &s.flat,
+            nl,
+            &mut [(&hc.mix, &mut s.mix[..])],
+        )?;
         let (hh, mix) = (&s.head, &s.mix);
         let eps = cfg.hc_eps;
         for_rows(cx.pool, &mut s.x[..nl * d], d, |i, out| {
@@ -1913,7 +2096,14 @@ impl Deepseek4 {
         })?;
         rms_rows(cx, &s.x, &self.output_norm, &mut s.xn, nl)?;
         logits.resize(nl * cfg.n_vocab, 0.0);
-        matmul(cx, &mut s.acts, &mut s.tmp, &s.xn, nl, &mut [(&self.output, &mut logits[..])])
+        matmul(
+            cx,
+            &mut s.acts,
+            &mut s.tmp,
+            &s.xn,
+            nl,
+            &mut [(&self.output, &mut logits[..])],
+        )
     }
 }
 
@@ -1934,7 +2124,14 @@ fn run_ffn(
     let fw = f.gate.n;
     grow(g, m * fw);
     grow(u, m * fw);
-    matmul(cx, acts, tmp, x, m, &mut [(&f.gate, &mut g[..]), (&f.up, &mut u[..])])?;
+    matmul(
+        cx,
+        acts,
+        tmp,
+        x,
+        m,
+        &mut [(&f.gate, &mut g[..]), (&f.up, &mut u[..])],
+    )?;
     if limit.is_finite() {
         for v in &mut g[..m * fw] {
             *v = v.min(limit);
@@ -1964,7 +2161,7 @@ fn push_token(
     z: &[f32],
     r: usize,
     buf: &mut Vec<f32>,
-) {
+) -> Result<(), ModelError> {
     let cw = w.cw();
     let m = w.ratio;
     let off = pos % m;
@@ -1980,57 +2177,64 @@ fn push_token(
     if off + 1 == m {
         let win = pos / m;
         let mut out = vec![0.0f32; w.width];
-        emit_row(cx, w, st, rope, win, &mut out);
+        emit_row(cx, w, st, rope, win, &mut out)?;
         st.rows.push(&out);
     }
+    Ok(())
 }
 
 /// Compressed row `win` from the token log: per channel a softmax over the window's slots
 /// (CSA: series A of window `win − 1`, then series B of window `win`), the gated sum, then
 /// RMSNorm and RoPE at position `win·m`.
-fn emit_row(cx: &Cx<'_>, w: &Compressor, st: &CompState, rope: &Rope, win: usize, out: &mut [f32]) {
+fn emit_row(
+    cx: &Cx<'_>,
+    w: &Compressor,
+    st: &CompState,
+    rope: &Rope,
+    win: usize,
+    out: &mut [f32],
+) -> Result<(), ModelError> {
     let (m, width, cw) = (w.ratio, w.width, w.cw());
-    let mut slots: Vec<(f32, f32)> = Vec::with_capacity(2 * m);
-    for (ch, o) in out.iter_mut().enumerate() {
-        slots.clear();
-        if w.overlap {
-            if win > 0 {
-                for j in 0..m {
-                    let t = st.tokens.row((win - 1) * m + j);
-                    slots.push((t[ch], t[cw + ch]));
-                }
-            }
-            for j in 0..m {
-                let t = st.tokens.row(win * m + j);
-                slots.push((t[width + ch], t[cw + width + ch]));
-            }
-        } else {
-            for j in 0..m {
-                let t = st.tokens.row(win * m + j);
-                slots.push((t[ch], t[cw + ch]));
-            }
+    // (window, offset into a token row of `c`) of each slot; `z` sits `cw` further.
+    let mut slots: Vec<(usize, usize)> = Vec::with_capacity(2 * m);
+    if w.overlap {
+        if win > 0 {
+            slots.extend((0..m).map(|j| ((win - 1) * m + j, 0)));
         }
-        let mx = slots
-            .iter()
-            .fold(f32::NEG_INFINITY, |a, &(_, z)| if z > a { z } else { a });
+        slots.extend((0..m).map(|j| (win * m + j, width)));
+    } else {
+        slots.extend((0..m).map(|j| (win * m + j, 0)));
+    }
+    let mut rows: Vec<&[f32]> = Vec::with_capacity(slots.len());
+    for &(t, _) in &slots {
+        let row = st.tokens.row(t);
+        if row.len() != 2 * cw {
+            return Err(ModelError::Batch(format!(
+                "compressor state lost token {t} needed by row {win}"
+            )));
+        }
+        rows.push(row);
+    }
+    let mut es = vec![0.0f32; slots.len()];
+    for (ch, o) in out.iter_mut().enumerate() {
+        let z = |i: usize| rows[i][cw + slots[i].1 + ch];
+        let mx = (0..slots.len()).fold(f32::NEG_INFINITY, |a, i| if z(i) > a { z(i) } else { a });
         let mut sum = 0.0f32;
-        let mut es: Vec<f32> = Vec::with_capacity(slots.len());
-        for &(_, z) in &slots {
-            let e = canon::exp(z - mx);
-            sum += e;
-            es.push(e);
+        for (i, e) in es.iter_mut().enumerate() {
+            *e = canon::exp(z(i) - mx);
+            sum += *e;
         }
         let inv = 1.0 / sum;
         let mut acc = 0.0f32;
-        for (&e, &(cv, _)) in es.iter().zip(&slots) {
-            acc = (e * inv).mul_add(cv, acc);
+        for (i, &e) in es.iter().enumerate() {
+            acc = (e * inv).mul_add(rows[i][slots[i].1 + ch], acc);
         }
         *o = acc;
     }
-    let _ = cx
-        .ops
-        .rms_norm_in_place(out, &w.norm, cx.cfg.rms_eps, NormWeight::Plain);
+    cx.ops
+        .rms_norm_in_place(out, &w.norm, cx.cfg.rms_eps, NormWeight::Plain)?;
     let mut cs = vec![0.0f32; cx.cfg.n_rot];
     rope.cos_sin(win * m, &mut cs);
     rope_tail(out, width, &cs, false);
+    Ok(())
 }

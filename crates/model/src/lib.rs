@@ -51,7 +51,7 @@ mod weights;
 pub use backend_cpu::{KvCache, KvType, SeqKv, ThreadPool};
 pub use config::{Arch, Config, RopeScaling, SUPPORTED_ARCHITECTURES};
 pub use deepseek4::{
-    Deepseek4, Deepseek4Config, Deepseek4Scratch, Deepseek4State, V4Attention, Yarn,
+    Deepseek4, Deepseek4Config, Deepseek4Scratch, Deepseek4State, Deepseek4Trace, V4Attention, Yarn,
 };
 pub use error::ModelError;
 pub use layers::ForwardScratch;

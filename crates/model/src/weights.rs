@@ -166,7 +166,11 @@ impl<'a> Loader<'a> {
             )));
         }
         let mut out = Vec::with_capacity(parts);
-        for (i, chunk) in bytes.chunks_exact(part_bytes.max(1)).take(parts).enumerate() {
+        for (i, chunk) in bytes
+            .chunks_exact(part_bytes.max(1))
+            .take(parts)
+            .enumerate()
+        {
             let packed = PackedMatrix::pack(format, chunk, n, k)
                 .map_err(|e| bad(format!(": packing part {i}: {e}")))?;
             out.push(Matrix {

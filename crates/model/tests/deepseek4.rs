@@ -211,6 +211,98 @@ fn logits_match_the_reference_on_every_fixture_sequence() {
     println!("worst over all fixtures: {worst_all:.3e} (tolerance {TOLERANCE:e})");
 }
 
+/// Every top-k decision — the indexer's kept rows at each CSA query that sees more rows than
+/// it keeps, the learned router's experts at each token — equals the reference's
+/// (`decisions.json`, written by `numpy_forward.py --decisions`, the float64 port that
+/// matches transformers to 1.1e-5), in one chunk and in a chunked prefill.
+#[test]
+fn every_top_k_decision_matches_the_reference() {
+    let text = std::fs::read_to_string(dir().join("decisions.json")).expect("decisions.json");
+    let reference: Value = serde_json::from_str(&text).unwrap();
+    let ints = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    for f in fixtures(2) {
+        let mut fixture_index_decisions = 0;
+        for (tokens, file) in &f.sequences {
+            let key = file.file_name().unwrap().to_string_lossy().into_owned();
+            let want = &reference["fixtures"][&f.name][&key];
+            assert!(want.is_object(), "{} {key}: no reference decisions", f.name);
+            for chunks in [vec![usize::MAX], vec![37, 1, 1, 64, 5, 3, 90, 1]] {
+                let mut st = f.model.new_state();
+                let mut scratch = f.model.new_scratch();
+                scratch.set_trace(true);
+                let mut logits = Vec::new();
+                let mut pos = 0;
+                let mut c = 0;
+                while pos < tokens.len() {
+                    let len = chunks[c % chunks.len()].min(tokens.len() - pos);
+                    c += 1;
+                    let rows: Vec<BatchRow> = (pos..pos + len)
+                        .map(|p| BatchRow {
+                            seq: 0,
+                            token: tokens[p],
+                            pos: p,
+                            wants_logits: false,
+                        })
+                        .collect();
+                    f.model
+                        .forward(&mut scratch, &mut [&mut st], &rows, &mut logits)
+                        .unwrap();
+                    pos += len;
+                }
+                let trace = scratch.take_trace();
+                let (mut n_index, mut n_route) = (0, 0);
+                let index = want["indexer"].as_object().cloned().unwrap_or_default();
+                for (layer, d) in &index {
+                    let layer: usize = layer.parse().unwrap();
+                    let got: Vec<(usize, Vec<u32>)> = trace
+                        .indexer
+                        .iter()
+                        .filter(|t| t.0 == layer)
+                        .map(|t| (t.2, t.3.clone()))
+                        .collect();
+                    let pos: Vec<usize> = ints(&d["pos"]).into_iter().map(|p| p as usize).collect();
+                    let rows: Vec<Vec<u32>> =
+                        d["rows"].as_array().unwrap().iter().map(ints).collect();
+                    let want: Vec<(usize, Vec<u32>)> = pos.into_iter().zip(rows).collect();
+                    assert_eq!(got, want, "{} {key} layer {layer}: indexer picks", f.name);
+                    n_index += want.len();
+                }
+                let router = want["router"].as_object().cloned().unwrap_or_default();
+                for (layer, d) in &router {
+                    let layer: usize = layer.parse().unwrap();
+                    let got: Vec<Vec<u32>> = trace
+                        .router
+                        .iter()
+                        .filter(|t| t.0 == layer)
+                        .map(|t| t.3.clone())
+                        .collect();
+                    let want: Vec<Vec<u32>> = d.as_array().unwrap().iter().map(ints).collect();
+                    assert_eq!(want.len(), tokens.len());
+                    assert_eq!(got, want, "{} {key} layer {layer}: router picks", f.name);
+                    n_route += want.len();
+                }
+                assert_eq!(trace.indexer.len(), n_index, "no extra indexer decisions");
+                assert_eq!(trace.router.len(), n_route, "no extra router decisions");
+                if chunks.len() == 1 {
+                    fixture_index_decisions += n_index;
+                    assert!(n_route > 0, "{} {key}: learned layers route", f.name);
+                    println!(
+                        "{} {key}: {n_index} indexer and {n_route} router decisions match",
+                        f.name
+                    );
+                }
+            }
+        }
+        assert!(fixture_index_decisions > 0, "{}: the indexer chose", f.name);
+    }
+}
+
 #[test]
 fn logits_do_not_depend_on_chunking_or_threads() {
     let base = fixtures(1);
@@ -227,7 +319,11 @@ fn logits_do_not_depend_on_chunking_or_threads() {
         // The chunk plan of make_fixtures.py (crosses window, compressor and HCA
         // boundaries), then single tokens.
         let plan = bits(&run_chunks(&f1.model, tokens, &[37, 1, 1, 64, 5, 3, 90, 1]));
-        assert!(plan == reference, "{}: the fixture chunk plan differs", f1.name);
+        assert!(
+            plan == reference,
+            "{}: the fixture chunk plan differs",
+            f1.name
+        );
         for threads in [2, 3] {
             let f = &fixtures(threads)[i];
             assert_eq!(f.model.n_threads(), threads);
@@ -276,11 +372,21 @@ fn two_sequences_batched_equal_each_alone() {
             let (mut pa, mut pb) = (ia, ib);
             while pa < ea || pb < eb {
                 if pb < eb {
-                    rows.push(BatchRow { seq: 1, token: b[pb], pos: pb, wants_logits: true });
+                    rows.push(BatchRow {
+                        seq: 1,
+                        token: b[pb],
+                        pos: pb,
+                        wants_logits: true,
+                    });
                     pb += 1;
                 }
                 if pa < ea {
-                    rows.push(BatchRow { seq: 0, token: a[pa], pos: pa, wants_logits: true });
+                    rows.push(BatchRow {
+                        seq: 0,
+                        token: a[pa],
+                        pos: pa,
+                        wants_logits: true,
+                    });
                     pa += 1;
                 }
             }
@@ -325,7 +431,11 @@ fn truncation_restores_the_state_exactly() {
             let mut all = tokens[..pos].to_vec();
             all.extend(&block);
             let out = run_on(&f.model, &mut st, &all, pos, &[usize::MAX]);
-            got.extend(out[..n].iter().map(|r| r.iter().map(|v| v.to_bits()).collect::<Vec<_>>()));
+            got.extend(
+                out[..n]
+                    .iter()
+                    .map(|r| r.iter().map(|v| v.to_bits()).collect::<Vec<_>>()),
+            );
             st.truncate(pos + n).unwrap();
             assert_eq!(st.len(), pos + n);
             pos += n;
@@ -344,13 +454,21 @@ fn malformed_batches_are_errors() {
     let mut st = f.model.new_state();
     let mut scratch = f.model.new_scratch();
     let mut logits = Vec::new();
-    let row = |token, pos| BatchRow { seq: 0, token, pos, wants_logits: true };
+    let row = |token, pos| BatchRow {
+        seq: 0,
+        token,
+        pos,
+        wants_logits: true,
+    };
     let bad: Vec<Vec<BatchRow>> = vec![
-        vec![row(0, 1)],                               // skips position 0
-        vec![row(9999, 0)],                            // outside the vocabulary
-        vec![row(0, 0), row(1, 2)],                    // not consecutive
-        vec![BatchRow { seq: 3, ..row(0, 0) }],        // no such sequence
-        vec![row(0, f.model.n_ctx())],                 // past the context
+        vec![row(0, 1)],            // skips position 0
+        vec![row(9999, 0)],         // outside the vocabulary
+        vec![row(0, 0), row(1, 2)], // not consecutive
+        vec![BatchRow {
+            seq: 3,
+            ..row(0, 0)
+        }], // no such sequence
+        vec![row(0, f.model.n_ctx())], // past the context
     ];
     for rows in bad {
         let e = f
@@ -363,4 +481,167 @@ fn malformed_batches_are_errors() {
         );
         assert_eq!(st.len(), 0, "nothing changed");
     }
+}
+
+/// The flash-layout fixture rewritten: metadata values replaced (`None` drops the key) and
+/// tensors replaced (`None` drops the tensor).
+fn rewritten(
+    meta: impl Fn(&str, &gguf::Value) -> Option<gguf::Value>,
+    tensor: impl Fn(&str, &[u64], gguf::GgmlType, &[u8]) -> Option<(Vec<u64>, Vec<u8>)>,
+) -> Arc<gguf::GgufFile> {
+    let src = gguf::GgufFile::open(dir().join("flash-layout.gguf")).unwrap();
+    let mut w = gguf::GgufWriter::new();
+    for (k, v) in src.metadata() {
+        if let Some(v) = meta(k, v) {
+            w.add(k.clone(), v).unwrap();
+        }
+    }
+    for t in src.tensors() {
+        if let Some((dims, data)) = tensor(&t.name, &t.dims, t.ggml_type, src.tensor_data(t)) {
+            w.add_tensor(t.name.clone(), &dims, t.ggml_type, data)
+                .unwrap();
+        }
+    }
+    Arc::new(gguf::GgufFile::from_bytes(w.to_bytes()).unwrap())
+}
+
+#[test]
+fn malformed_files_are_typed_errors() {
+    let keep = |_: &str, v: &gguf::Value| Some(v.clone());
+    let same = |_: &str, d: &[u64], _: gguf::GgmlType, b: &[u8]| Some((d.to_vec(), b.to_vec()));
+    let load = |g: Arc<gguf::GgufFile>| Deepseek4::load(g, &LoadOptions::default()).map(|_| ());
+    // The unmodified copy loads: the edits below are what fails.
+    load(rewritten(keep, same)).expect("a faithful copy loads");
+    let with_meta = |key: &'static str, value: gguf::Value| {
+        rewritten(
+            move |k, v| Some(if k == key { value.clone() } else { v.clone() }),
+            same,
+        )
+    };
+    let config_cases: Vec<(&str, Arc<gguf::GgufFile>)> = vec![
+        (
+            "hc count 0",
+            with_meta("deepseek4.hyper_connection.count", 0u32.into()),
+        ),
+        (
+            "hc count huge",
+            with_meta("deepseek4.hyper_connection.count", 1_000_000u32.into()),
+        ),
+        (
+            "no sinkhorn",
+            with_meta(
+                "deepseek4.hyper_connection.sinkhorn_iterations",
+                0u32.into(),
+            ),
+        ),
+        (
+            "ratios short",
+            with_meta("deepseek4.attention.compress_ratios", vec![0i32, 4].into()),
+        ),
+        (
+            "ratio 1",
+            with_meta(
+                "deepseek4.attention.compress_ratios",
+                vec![0i32, 0, 1, 128, 4, 128].into(),
+            ),
+        ),
+        (
+            "negative ratio",
+            with_meta(
+                "deepseek4.attention.compress_ratios",
+                vec![0i32, 0, -4, 128, 4, 128].into(),
+            ),
+        ),
+        (
+            "no experts used",
+            with_meta("deepseek4.expert_used_count", 0u32.into()),
+        ),
+        (
+            "more used than experts",
+            with_meta("deepseek4.expert_used_count", 9u32.into()),
+        ),
+        (
+            "groups",
+            with_meta("deepseek4.attention.output_group_count", 3u32.into()),
+        ),
+        (
+            "rope dims odd",
+            with_meta("deepseek4.rope.dimension_count", 7u32.into()),
+        ),
+        (
+            "two kv heads",
+            with_meta("deepseek4.attention.head_count_kv", 2u32.into()),
+        ),
+        (
+            "rope scaling",
+            with_meta("deepseek4.rope.scaling.type", "longrope".into()),
+        ),
+        (
+            "nan eps",
+            with_meta(
+                "deepseek4.attention.layer_norm_rms_epsilon",
+                f32::NAN.into(),
+            ),
+        ),
+        (
+            "hash layers",
+            with_meta("deepseek4.hash_layer_count", 7u32.into()),
+        ),
+        (
+            "bad clamp list",
+            with_meta("deepseek4.swiglu_clamp_exp", vec![1.0f32].into()),
+        ),
+        (
+            "tid2eid out of range",
+            rewritten(keep, |n, d, _, b| {
+                let mut b = b.to_vec();
+                if n == "blk.1.ffn_gate_tid2eid.weight" {
+                    b[8..12].copy_from_slice(&99i32.to_le_bytes());
+                }
+                Some((d.to_vec(), b))
+            }),
+        ),
+    ];
+    for (what, g) in config_cases {
+        let e = load(g).unwrap_err();
+        assert!(
+            matches!(e, ModelError::Config(_) | ModelError::Gguf(_)),
+            "{what}: {e}"
+        );
+    }
+    let missing = rewritten(keep, |n, d, _, b| {
+        (n != "blk.2.indexer.proj.weight").then(|| (d.to_vec(), b.to_vec()))
+    });
+    assert!(matches!(
+        load(missing).unwrap_err(),
+        ModelError::MissingTensor { .. }
+    ));
+    let no_key = rewritten(
+        |k, v| (k != "deepseek4.attention.sliding_window").then(|| v.clone()),
+        same,
+    );
+    assert!(matches!(load(no_key).unwrap_err(), ModelError::Gguf(_)));
+    let reshaped = rewritten(keep, |n, d, _, b| {
+        let mut d = d.to_vec();
+        if n == "blk.3.attn_compressor_ape.weight" {
+            d.swap(0, 1);
+        }
+        Some((d, b.to_vec()))
+    });
+    assert!(matches!(
+        load(reshaped).unwrap_err(),
+        ModelError::TensorShape { .. }
+    ));
+    let experts = rewritten(keep, |n, d, _, b| {
+        if n == "blk.4.ffn_up_exps.weight" {
+            // One expert fewer.
+            let per = b.len() / d[2] as usize;
+            return Some((vec![d[0], d[1], d[2] - 1], b[..b.len() - per].to_vec()));
+        }
+        Some((d.to_vec(), b.to_vec()))
+    });
+    assert!(matches!(
+        load(experts).unwrap_err(),
+        ModelError::TensorShape { .. }
+    ));
 }
