@@ -501,6 +501,35 @@ impl Deepseek4Config {
     }
 }
 
+impl Deepseek4Config {
+    /// Bytes of the forward's scratch for a batch of `rows` rows (f32 buffers; the
+    /// activations of quantized matmuls add about a fifth of the widest input).
+    pub fn scratch_bytes(&self, rows: usize) -> u64 {
+        let (d, n) = (self.n_embd as u64, self.hc_streams as u64);
+        let qd = (self.n_head * self.head_dim) as u64;
+        let hd = self.head_dim as u64;
+        let di = self.indexer_dim as u64;
+        let ni = self.indexer_heads as u64;
+        let fs = (self.n_ff_exp * self.n_expert_shared.max(1)) as u64;
+        let per_row = 3 * n * d
+            + 3 * d
+            + self.q_lora_rank as u64
+            + 2 * qd
+            + 5 * hd
+            + 4 * di
+            + ni * di
+            + ni
+            + 2 * (self.o_groups * self.o_lora_rank) as u64
+            + self.n_expert as u64
+            + 2 * fs
+            + self.n_expert_used as u64 * d
+            + 2 * self.n_ff_exp as u64
+            + d;
+        let floats = rows as u64 * per_row + 2 * self.n_vocab as u64;
+        floats * 4 + rows as u64 * (n * d).max(qd) * 6 / 5
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // RoPE
 // ---------------------------------------------------------------------------------------
