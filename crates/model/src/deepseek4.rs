@@ -2267,3 +2267,76 @@ fn emit_row(
     rope_tail(out, width, &cs, false);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// DeepSeek V4 Flash's shape (43 layers, hd 512, window 128, layers 0–1 sliding, then
+    /// CSA/4 on even and HCA/128 on odd layers, a 128-dim indexer): the state sizes the README
+    /// quotes.
+    fn flash() -> Deepseek4Config {
+        let mut layers = vec![V4Attention::Sliding; 2];
+        layers.extend((2..43).map(|i| {
+            if i % 2 == 0 {
+                V4Attention::Csa { ratio: 4 }
+            } else {
+                V4Attention::Hca { ratio: 128 }
+            }
+        }));
+        Deepseek4Config {
+            n_layer: 43,
+            n_embd: 4096,
+            n_vocab: 129_280,
+            n_ctx_train: 1 << 20,
+            n_head: 64,
+            head_dim: 512,
+            n_rot: 64,
+            q_lora_rank: 1024,
+            o_groups: 8,
+            o_lora_rank: 1024,
+            rms_eps: 1e-6,
+            window: 128,
+            layers,
+            rope_base: 10_000.0,
+            compress_rope_base: 160_000.0,
+            yarn: None,
+            indexer_heads: 64,
+            indexer_dim: 128,
+            indexer_top_k: 512,
+            n_expert: 256,
+            n_expert_used: 6,
+            n_expert_shared: 1,
+            n_ff_exp: 2048,
+            expert_weights_scale: 1.5,
+            expert_weights_norm: true,
+            hash_layers: 3,
+            swiglu_limits: vec![10.0; 43],
+            hc_streams: 4,
+            hc_iters: 20,
+            hc_eps: 1e-6,
+        }
+    }
+
+    #[test]
+    fn flash_state_and_scratch_sizes() {
+        let c = flash();
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let at = |t: usize| mib(c.state_bytes(t, 512));
+        // Window rows: 43 layers × 640 rows × 512 × 4 B; per CSA layer (21) rows/4 × (512 +
+        // 128) floats, per HCA layer (20) rows/128 × 512, plus the open token logs.
+        assert!((at(4096) - 274.1).abs() < 0.1, "{}", at(4096));
+        assert!((at(65_536) - 1080.4).abs() < 0.1, "{}", at(65_536));
+        let growth = mib(c.state_bytes(66_560, 512) - c.state_bytes(65_536, 512));
+        assert!((growth - 13.44).abs() < 0.01, "{growth}");
+        // The scratch of a 512-row prefill chunk.
+        let scratch = mib(c.scratch_bytes(512));
+        assert!(scratch > 300.0 && scratch < 700.0, "{scratch}");
+        println!(
+            "Flash state: {:.1} MiB at 4K, {:.1} MiB at 64K, +{growth:.2} MiB per 1K tokens; \
+             scratch {scratch:.0} MiB",
+            at(4096),
+            at(65_536)
+        );
+    }
+}

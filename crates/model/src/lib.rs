@@ -1,5 +1,5 @@
 //! Model architectures (llama, qwen2, gemma3) as batched forwards over the CPU backend and a paged
-//! KV cache.
+//! KV cache, and DeepSeek V4 ([`Deepseek4`]) over its own per-sequence state.
 //!
 //! A [`Model`] is loaded from a mapped GGUF file: the [`Config`] comes from the metadata,
 //! the matmul weights are repacked once into 16-row tiles (`quant::PackedMatrix`,
@@ -35,7 +35,8 @@
 //!
 //! Layout: `config` (hyperparameters), `weights` (packed matrices, views, shape checks), `layers` (the
 //! shared attention and feed-forward blocks), one file per architecture (`llama`: llama
-//! and qwen2; `gemma3`), `exec` (thread-pool matmuls split over N), `memory` (estimates).
+//! and qwen2; `gemma3`; `deepseek4`: the forward, its config and its state), `exec`
+//! (thread-pool matmuls split over N), `memory` (estimates).
 
 mod config;
 mod deepseek4;
