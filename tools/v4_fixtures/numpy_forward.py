@@ -4,7 +4,11 @@ GGUF (tensor names and metadata keys of llama.cpp's deepseek4 layout), checked a
 stored transformers logits. It exists to prove FORWARD.md and the GGUF together are complete
 enough to port; it is not fast.
 
-Run:  python numpy_forward.py [DIR]   (default: crates/model/tests/fixtures/deepseek4)
+Run:  python numpy_forward.py [DIR] [--decisions]   (default: crates/model/tests/fixtures/deepseek4)
+
+With --decisions it also writes DIR/decisions.json: every top-k decision of every sequence (the
+indexer's kept rows per CSA layer and query, where more rows are visible than it keeps; the
+learned router's experts per layer and token), which the Rust tests compare with their own.
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ def compress(x, wkv, wgate, ape, norm, m, width, overlap, eps, freqs):
     return rope(r, np.arange(nw) * m, freqs)
 
 
-def forward(g: G, tokens: list[int]) -> np.ndarray:
+def forward(g: G, tokens: list[int], decisions: dict | None = None) -> np.ndarray:
     t = g.t
     S = len(tokens)
     H, hd = g.m("attention.head_count"), g.m("attention.key_length")
@@ -165,6 +169,12 @@ def forward(g: G, tokens: list[int]) -> np.ndarray:
                 for s in range(S):
                     order = np.argsort(-sc[s], kind="stable")[: min(kI, T)]
                     keep[s, order] = True
+                if decisions is not None:
+                    d = decisions.setdefault("indexer", {}).setdefault(str(i), {"pos": [], "rows": []})
+                    for s in range(S):
+                        if vis[s].sum() > kI:
+                            d["pos"].append(s)
+                            d["rows"].append(sorted(int(x) for x in np.nonzero(vis[s] & keep[s])[0]))
                 vis = vis & keep
             keys = np.concatenate([kv, rows], 0)
             mask = np.concatenate([mask, np.where(vis, 0.0, -np.inf)], 1)
@@ -186,6 +196,8 @@ def forward(g: G, tokens: list[int]) -> np.ndarray:
             idx = t[b + "ffn_gate_tid2eid.weight"][tokens]
         else:
             idx = np.argsort(-(sc + t[b + "exp_probs_b.bias"]), axis=1, kind="stable")[:, :k]
+            if decisions is not None:
+                decisions.setdefault("router", {})[str(i)] = [sorted(int(x) for x in r) for r in idx]
         gw = np.take_along_axis(sc, idx, 1)
         gw = gw / (gw.sum(1, keepdims=True) + 1e-20) * scale_r
         Lm = limit[i]
@@ -208,19 +220,32 @@ def forward(g: G, tokens: list[int]) -> np.ndarray:
 
 
 def main() -> int:
-    root = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_DIR
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    dump = "--decisions" in sys.argv[1:]
+    root = Path(args[0]) if args else DEFAULT_DIR
     manifest = json.loads((root / "manifest.json").read_text())
     worst_all = 0.0
+    all_decisions: dict = {}
     for fx in manifest["fixtures"]:
         g = G(root / fx["gguf"])
         for s in fx["sequences"]:
             want = np.load(root / s["logits_file"]).astype(np.float64)
-            got = forward(g, s["tokens"])
+            dec = all_decisions.setdefault(fx["name"], {}).setdefault(s["logits_file"], {}) if dump else None
+            got = forward(g, s["tokens"], dec)
             d = float(np.abs(got - want).max())
             worst_all = max(worst_all, d)
             print(f"{fx['name']} {s['logits_file']}: {len(s['tokens'])} tokens, max |numpy f64 - transformers f32| = {d:.2e}")
     assert worst_all < 1e-4, worst_all
     print("numpy forward matches")
+    if dump:
+        out = {
+            "about": "top-k decisions of numpy_forward.py (float64) on every fixture sequence: "
+            "indexer[layer] = kept compressed rows (sorted) for each query position with more "
+            "visible rows than index_topk; router[layer] = the learned layers' experts (sorted) per token",
+            "fixtures": all_decisions,
+        }
+        (root / "decisions.json").write_text(json.dumps(out, separators=(",", ":")) + "\n")
+        print(f"wrote {root / 'decisions.json'}")
     return 0
 
 

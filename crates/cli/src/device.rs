@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use engine::{ForwardBackend, ModelBackend};
+use engine::{Deepseek4Backend, ForwardBackend, ModelBackend};
 use gguf::GgufFile;
 
 use crate::args::ModelArgs;
@@ -70,6 +70,16 @@ pub fn backend(
     args: &ModelArgs,
     name: &str,
 ) -> anyhow::Result<(Box<dyn ForwardBackend>, usize, usize)> {
+    if load::is_deepseek4(gguf) {
+        // DeepSeek V4 runs on the CPU backend only (per-sequence compressor state).
+        if let DeviceArg::Cuda(n) = args.device {
+            bail!("--device cuda:{n}: {name} is a deepseek4 model, which runs on the CPU only");
+        }
+        let model =
+            Arc::new(load::load_deepseek4(gguf, args).with_context(|| format!("loading {name}"))?);
+        let (n_ctx, n_vocab) = (model.n_ctx(), model.config().n_vocab);
+        return Ok((Box::new(Deepseek4Backend::new(model)), n_ctx, n_vocab));
+    }
     let cuda = match args.device {
         DeviceArg::Cpu => None,
         DeviceArg::Cuda(n) => Some((n, true)),

@@ -107,6 +107,24 @@ pub fn load_model(gguf: &Arc<GgufFile>, args: &ModelArgs) -> anyhow::Result<Mode
     Ok(Model::load(Arc::clone(gguf), &opts)?)
 }
 
+/// Whether `gguf` is a DeepSeek V4 file (run by [`model::Deepseek4`], not [`Model`]).
+pub fn is_deepseek4(gguf: &GgufFile) -> bool {
+    gguf.architecture().ok() == Some("deepseek4")
+}
+
+/// Loads the DeepSeek V4 model in `gguf` with the threads and context of `args`, after the
+/// memory check (`--kv-type` does not apply: its state is f32).
+pub fn load_deepseek4(gguf: &Arc<GgufFile>, args: &ModelArgs) -> anyhow::Result<model::Deepseek4> {
+    let n_ctx = context_length(gguf, args.ctx_size)?;
+    check_memory(gguf, n_ctx, KvType::F32)?;
+    let opts = LoadOptions {
+        threads: args.threads(),
+        kv_type: KvType::F32,
+        n_ctx: Some(n_ctx),
+    };
+    Ok(model::Deepseek4::load(Arc::clone(gguf), &opts)?)
+}
+
 /// Builds the tokenizer from the GGUF's tokenizer metadata.
 pub fn load_tokenizer(gguf: &GgufFile) -> anyhow::Result<Tokenizer> {
     Tokenizer::from_gguf(gguf).context("reading the tokenizer from the model file")

@@ -35,9 +35,11 @@
 //!
 //! Layout: [`api`] (every public type: the contract), [`scheduler`] (pure planning over
 //! plain numbers), [`prefix`] (the block-hash prefix index), `step` (the loop), `fake`
-//! and `model_backend` (the two backends), `slots` (KV slot bookkeeping shared by both).
+//! and `model_backend` (the paged-KV backends), `deepseek4_backend` (DeepSeek V4's
+//! per-sequence state), `slots` (KV slot bookkeeping shared by the first two).
 
 pub mod api;
+mod deepseek4_backend;
 mod fake;
 #[cfg(feature = "grammar")]
 mod grammar_constraint;
@@ -53,6 +55,7 @@ pub use api::{
     SamplingParams, SpecConfig, SpecMode, SpecStats, StopCause, SubmitError, Timings,
     TokenConstraint, TokenMask, Usage,
 };
+pub use deepseek4_backend::Deepseek4Backend;
 pub use fake::{FakeBackend, FakeStats, fake_logits};
 pub use model_backend::{KvPoolUsage, ModelBackend};
 pub use step::logit_digest;

@@ -370,7 +370,7 @@ fn linear(factor: f32, key: &str) -> Result<RopeScaling, ModelError> {
 
 /// The logit width (rows of `output.weight`, else of `token_embd.weight`) and whether the
 /// embeddings are tied.
-fn vocab(gguf: &GgufFile) -> Result<(usize, bool), ModelError> {
+pub(crate) fn vocab(gguf: &GgufFile) -> Result<(usize, bool), ModelError> {
     let (t, tied) = match gguf.tensor("output.weight") {
         Some(t) => (t, false),
         None => (

@@ -1,5 +1,5 @@
 //! Model architectures (llama, qwen2, gemma3) as batched forwards over the CPU backend and a paged
-//! KV cache.
+//! KV cache, and DeepSeek V4 ([`Deepseek4`]) over its own per-sequence state.
 //!
 //! A [`Model`] is loaded from a mapped GGUF file: the [`Config`] comes from the metadata,
 //! the matmul weights are repacked once into 16-row tiles (`quant::PackedMatrix`,
@@ -35,9 +35,11 @@
 //!
 //! Layout: `config` (hyperparameters), `weights` (packed matrices, views, shape checks), `layers` (the
 //! shared attention and feed-forward blocks), one file per architecture (`llama`: llama
-//! and qwen2; `gemma3`), `exec` (thread-pool matmuls split over N), `memory` (estimates).
+//! and qwen2; `gemma3`; `deepseek4`: the forward, its config and its state), `exec`
+//! (thread-pool matmuls split over N), `memory` (estimates).
 
 mod config;
+mod deepseek4;
 mod error;
 mod exec;
 mod gemma3;
@@ -49,6 +51,9 @@ mod weights;
 
 pub use backend_cpu::{KvCache, KvType, SeqKv, ThreadPool};
 pub use config::{Arch, Config, RopeScaling, SUPPORTED_ARCHITECTURES};
+pub use deepseek4::{
+    Deepseek4, Deepseek4Config, Deepseek4Scratch, Deepseek4State, Deepseek4Trace, V4Attention, Yarn,
+};
 pub use error::ModelError;
 pub use layers::ForwardScratch;
 pub use memory::{

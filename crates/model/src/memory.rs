@@ -3,6 +3,7 @@
 
 use crate::ModelError;
 use crate::config::Config;
+use crate::deepseek4::Deepseek4Config;
 use backend_cpu::{DEFAULT_BLOCK_SIZE, KvType};
 use gguf::GgufFile;
 
@@ -25,14 +26,29 @@ pub struct MemoryEstimate {
 }
 
 impl MemoryEstimate {
-    /// The estimate for the model in `gguf` with a KV cache of `ctx_tokens` token slots.
+    /// The estimate for the model in `gguf` with a KV cache of `ctx_tokens` token slots
+    /// (DeepSeek V4: one sequence's state over `ctx_tokens` positions, see
+    /// [`Deepseek4Config::state_bytes`]).
     pub fn for_model(
         gguf: &GgufFile,
         ctx_tokens: usize,
         kv_type: KvType,
     ) -> Result<MemoryEstimate, ModelError> {
-        let cfg = Config::from_gguf(gguf)?;
         let weights_bytes: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
+        if gguf.architecture().ok() == Some("deepseek4") {
+            // One sequence's state (f32 window rows, compressor logs, compressed rows and
+            // indexer keys) over `ctx_tokens` positions, and the forward's scratch.
+            let cfg = Deepseek4Config::from_gguf(gguf)?;
+            let kv_bytes = cfg.state_bytes(ctx_tokens, ESTIMATE_BATCH_ROWS);
+            let scratch_bytes = cfg.scratch_bytes(ESTIMATE_BATCH_ROWS);
+            return Ok(MemoryEstimate {
+                weights_bytes,
+                kv_bytes,
+                scratch_bytes,
+                total: weights_bytes + kv_bytes + scratch_bytes,
+            });
+        }
+        let cfg = Config::from_gguf(gguf)?;
         let slots = ctx_tokens.div_ceil(DEFAULT_BLOCK_SIZE) as u64 * DEFAULT_BLOCK_SIZE as u64;
         let elem = match kv_type {
             KvType::F16 => 2,

@@ -70,6 +70,13 @@ impl Model {
     /// type, and builds the thread pool and the RoPE table for the context. The weights
     /// stay in the mapped file (no copy); the model keeps `gguf` alive.
     pub fn load(gguf: Arc<GgufFile>, opts: &LoadOptions) -> Result<Model, ModelError> {
+        if gguf.architecture().ok() == Some("deepseek4") {
+            return Err(ModelError::Config(
+                "deepseek4 keeps per-sequence compressor state instead of a paged KV cache: \
+                 load it with Deepseek4::load"
+                    .into(),
+            ));
+        }
         let config = Config::from_gguf(&gguf)?;
         let n_ctx = opts.n_ctx.unwrap_or(config.n_ctx_train);
         if n_ctx == 0 || n_ctx > config.n_ctx_train {

@@ -133,6 +133,87 @@ impl<'a> Loader<'a> {
         })
     }
 
+    /// The rows of tensor `name` (dims `dims`, whose first entry is the row length `k`),
+    /// cut into `parts` matrices of `n` consecutive rows each and packed: a stacked
+    /// expert tensor (`dims = [k, n, parts]`, one matrix per expert) or a grouped
+    /// projection (`dims = [k, parts·n]`, one matrix per group). The file's pages are
+    /// released afterwards, as for [`Loader::matrix`].
+    pub fn matrix_parts(
+        &self,
+        name: &str,
+        dims: &[u64],
+        n: usize,
+        parts: usize,
+    ) -> Result<Vec<Matrix>, ModelError> {
+        let (_, t) = self.info(name)?;
+        check_dims(t, dims)?;
+        let k = usize::try_from(dims.first().copied().unwrap_or(0)).unwrap_or(usize::MAX);
+        let format = Self::format(t)?;
+        let bad = |why: String| ModelError::TensorType {
+            name: name.into(),
+            ggml_type: t.ggml_type.to_string(),
+            why,
+        };
+        let row_bytes = format.row_bytes(k).map_err(|e| bad(format!(": {e}")))?;
+        let part_bytes = row_bytes
+            .checked_mul(n)
+            .ok_or_else(|| bad(": too large".into()))?;
+        let bytes = self.gguf.tensor_data(t);
+        if (bytes.len() as u128) != (part_bytes as u128) * (parts as u128) {
+            return Err(bad(format!(
+                ": {} bytes, expected {parts} parts of {n} rows of {row_bytes} bytes",
+                bytes.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(parts);
+        for (i, chunk) in bytes
+            .chunks_exact(part_bytes.max(1))
+            .take(parts)
+            .enumerate()
+        {
+            let packed = PackedMatrix::pack(format, chunk, n, k)
+                .map_err(|e| bad(format!(": packing part {i}: {e}")))?;
+            out.push(Matrix {
+                name: format!("{name}[{i}]"),
+                format,
+                k,
+                n,
+                packed: Arc::new(packed),
+            });
+        }
+        if out.len() != parts {
+            return Err(bad(format!(": {} parts, expected {parts}", out.len())));
+        }
+        self.gguf.release_tensor_pages(t);
+        Ok(out)
+    }
+
+    /// The I32 tensor `name` with dimensions `dims`, decoded (little-endian).
+    pub fn i32s(&self, name: &str, dims: &[u64]) -> Result<Vec<i32>, ModelError> {
+        let (_, t) = self.info(name)?;
+        check_dims(t, dims)?;
+        if t.ggml_type != gguf::GgmlType::I32 {
+            return Err(ModelError::TensorType {
+                name: name.into(),
+                ggml_type: t.ggml_type.to_string(),
+                why: ": expected i32".into(),
+            });
+        }
+        let bytes = self.gguf.tensor_data(t);
+        let want = t.n_elements().saturating_mul(4);
+        if bytes.len() as u64 != want {
+            return Err(ModelError::TensorType {
+                name: name.into(),
+                ggml_type: t.ggml_type.to_string(),
+                why: format!(": {} bytes, expected {want}", bytes.len()),
+            });
+        }
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
     /// A view of the matrix `name` with `dims = [k, n]` in the mapped file.
     pub fn view(&self, name: &str, k: usize, n: usize) -> Result<TensorView, ModelError> {
         let (tensor, t) = self.info(name)?;

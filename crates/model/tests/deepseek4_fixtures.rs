@@ -1,13 +1,13 @@
 //! The committed DeepSeek V4 reference fixtures (`tests/fixtures/deepseek4`, made by
 //! `tools/v4_fixtures/make_fixtures.py`): every file matches the manifest's sha256, the GGUFs
 //! parse with llama.cpp's `deepseek4` metadata and the manifest's tensor table, and the
-//! reference logits have the stated shapes. Loading the architecture itself is issue #11's
-//! port; until then `Model::load` must refuse these files with a clear error, not panic.
+//! reference logits have the stated shapes. They load as [`Deepseek4`] (the forward itself is
+//! tested in `deepseek4.rs`); `Model::load` refuses them with a pointer there.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use lockstep_model::{LoadOptions, Model};
+use lockstep_model::{Deepseek4, LoadOptions, Model};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -98,15 +98,41 @@ fn every_fixture_matches_its_manifest() {
 }
 
 #[test]
-fn loading_deepseek4_is_a_clear_error_until_the_architecture_lands() {
+fn deepseek4_loads_with_its_own_type_and_model_load_points_there() {
     let m = manifest();
     for f in m["fixtures"].as_array().unwrap() {
         let path = dir().join(f["gguf"].as_str().unwrap());
         let gguf = Arc::new(gguf::GgufFile::open(&path).unwrap());
+        let v4 = Deepseek4::load(Arc::clone(&gguf), &LoadOptions::default()).expect("loads");
+        let cfg = v4.config();
+        let tc = &f["transformers_config"];
+        assert_eq!(
+            cfg.n_layer as u64,
+            tc["num_hidden_layers"].as_u64().unwrap()
+        );
+        assert_eq!(cfg.n_embd as u64, tc["hidden_size"].as_u64().unwrap());
+        assert_eq!(cfg.window as u64, tc["sliding_window"].as_u64().unwrap());
+        assert_eq!(cfg.hc_streams as u64, tc["hc_mult"].as_u64().unwrap());
+        assert_eq!(cfg.indexer_top_k as u64, tc["index_topk"].as_u64().unwrap());
+        let ratios: Vec<u64> = f["coverage"]["compress_ratios"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_u64().unwrap())
+            .collect();
+        let got: Vec<u64> = cfg
+            .layers
+            .iter()
+            .map(|l| l.ratio().unwrap_or(0) as u64)
+            .collect();
+        assert_eq!(got, ratios);
         let msg = match Model::load(gguf, &LoadOptions::default()) {
-            Ok(_) => panic!("deepseek4 is not supported yet, but the fixture loaded"),
+            Ok(_) => panic!("Model::load must not take a deepseek4 file"),
             Err(e) => e.to_string(),
         };
-        assert!(msg.contains("deepseek4"), "{msg}");
+        assert!(
+            msg.contains("deepseek4") && msg.contains("Deepseek4::load"),
+            "{msg}"
+        );
     }
 }

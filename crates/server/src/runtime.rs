@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use chat::{ChatTemplate, ToolCallFormat};
-use engine::{Engine, EngineConfig, ModelBackend, SpecConfig};
+use engine::{Deepseek4Backend, Engine, EngineConfig, ForwardBackend, ModelBackend, SpecConfig};
 use grammar::TokenEnv;
 use sha2::{Digest, Sha256};
 use text::Tokenizer;
@@ -150,14 +150,18 @@ impl ServedModel {
             (None, None) => DEFAULT_CTX,
         };
         let template = chat_template(&file, &tokenizer)?;
-        let model = model::Model::load(
-            Arc::clone(&file),
-            &model::LoadOptions {
-                threads: opts.threads,
-                kv_type: opts.kv_type,
-                n_ctx: Some(n_ctx),
-            },
-        )?;
+        let load_opts = model::LoadOptions {
+            threads: opts.threads,
+            kv_type: opts.kv_type,
+            n_ctx: Some(n_ctx),
+        };
+        let backend: Box<dyn ForwardBackend> = if file.architecture().ok() == Some("deepseek4") {
+            let model = model::Deepseek4::load(Arc::clone(&file), &load_opts)?;
+            Box::new(Deepseek4Backend::new(Arc::new(model)))
+        } else {
+            let model = model::Model::load(Arc::clone(&file), &load_opts)?;
+            Box::new(ModelBackend::new(Arc::new(model)))
+        };
         let cfg = EngineConfig {
             max_seqs: opts.max_seqs,
             kv_tokens: opts.kv_pool_tokens(n_ctx),
@@ -166,11 +170,7 @@ impl ServedModel {
             spec: opts.spec.clone(),
             ..EngineConfig::default()
         };
-        let engine = Engine::start(
-            Box::new(ModelBackend::new(Arc::new(model))),
-            Arc::clone(&tokenizer),
-            cfg,
-        )?;
+        let engine = Engine::start(backend, Arc::clone(&tokenizer), cfg)?;
         let token_env = TokenEnv::with_logit_width(Arc::clone(&tokenizer), engine.n_vocab())?;
         let (tool_format, template_has_tools) = match &template {
             Some(t) => match chat::detect_format(t.source()) {

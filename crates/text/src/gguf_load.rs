@@ -58,7 +58,10 @@ impl Tokenizer {
             })?;
         let merges = match opt_strings(file, "tokenizer.ggml.merges")? {
             Some(m) => m,
-            None if model == "gpt2" => {
+            // A byte-level BPE without merges encodes byte by byte; that is complete only
+            // when every byte has its token (the DeepSeek V4 reference fixtures: 256 byte
+            // tokens and two specials). Otherwise the merges are missing, not absent.
+            None if model == "gpt2" && !has_every_byte_token(tokens) => {
                 file.require("tokenizer.ggml.merges")?;
                 &[]
             }
@@ -88,4 +91,18 @@ impl Tokenizer {
         };
         Tokenizer::from_spec(&spec)
     }
+}
+
+/// Whether `tokens` holds the GPT-2 byte-to-unicode form of each of the 256 bytes.
+fn has_every_byte_token(tokens: &[String]) -> bool {
+    let mut seen = [false; 256];
+    for t in tokens {
+        let mut chars = t.chars();
+        if let (Some(c), None) = (chars.next(), chars.next())
+            && let Some(b) = crate::unicode::char_to_byte(c)
+        {
+            seen[b as usize] = true;
+        }
+    }
+    seen.iter().all(|&s| s)
 }

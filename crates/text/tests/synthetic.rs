@@ -230,6 +230,48 @@ fn from_gguf_reads_a_minimal_byte_level_vocabulary() {
     assert_eq!(t.bos_id(), None);
 }
 
+/// A byte-level vocabulary with every byte token and no `tokenizer.ggml.merges` (the DeepSeek
+/// V4 reference fixtures) encodes byte by byte; without every byte token the merges are
+/// still required.
+#[test]
+fn from_gguf_takes_a_complete_byte_vocabulary_without_merges() {
+    let file = gguf_with(|w| {
+        w.add("tokenizer.ggml.model", "gpt2")?;
+        w.add("tokenizer.ggml.pre", "gpt2")?;
+        let mut tokens = vec!["<s>".to_string(), "</s>".to_string()];
+        tokens.extend(byte_level(&[]));
+        w.add("tokenizer.ggml.tokens", tokens)?;
+        let mut types = vec![3i32, 3];
+        types.extend([1i32; 256]);
+        w.add("tokenizer.ggml.token_type", types)?;
+        w.add("tokenizer.ggml.bos_token_id", 0u32)?;
+        w.add("tokenizer.ggml.eos_token_id", 1u32)?;
+        Ok(())
+    });
+    let t = Tokenizer::from_gguf(&file).expect("builds");
+    let text = "Hé, 1+1";
+    let want: Vec<u32> = text
+        .bytes()
+        .map(|b| t.token_to_id(&byte_char(b).to_string()).unwrap())
+        .collect();
+    assert_eq!(want.len(), text.len());
+    assert_eq!(t.encode(text, PLAIN), want);
+    assert_eq!(t.decode(&want).unwrap(), text.as_bytes());
+    assert_eq!(t.eos_id(), Some(1));
+    let partial = gguf_with(|w| {
+        w.add("tokenizer.ggml.model", "gpt2")?;
+        w.add("tokenizer.ggml.pre", "gpt2")?;
+        let mut tokens = byte_level(&[]);
+        tokens.pop();
+        w.add("tokenizer.ggml.tokens", tokens)?;
+        Ok(())
+    });
+    assert!(matches!(
+        Tokenizer::from_gguf(&partial),
+        Err(TextError::Gguf(_))
+    ));
+}
+
 #[test]
 fn from_gguf_reads_integer_scores_and_sentencepiece() {
     let file = gguf_with(|w| {
