@@ -6,7 +6,8 @@
 //! cargo run --release -p lockstep-model --example prefetch_ab -- [model] [rounds] [distances]
 //! ```
 //! Defaults: `qwen2.5-coder-1.5b`, 6 rounds, distances `0,16384,32768,65536` bytes; each
-//! measurement is 48 single-row decode forwards on 2 threads.
+//! measurement is 48 single-row decode forwards on 2 threads, or with a fourth argument
+//! `pp` one 256-row prefill forward.
 
 use lockstep_model::{BatchRow, LoadOptions, Model};
 use std::sync::Arc;
@@ -22,6 +23,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .split(',')
         .map(str::parse)
         .collect::<Result<_, _>>()?;
+    let prefill = args.get(4).is_some_and(|a| a == "pp");
     let path = hub::ensure_model(name)?;
     let gguf = Arc::new(gguf::GgufFile::open(path)?);
     let opts = LoadOptions {
@@ -41,20 +43,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             quant::set_stream_prefetch(d);
             let mut seq = model.new_sequence(&kv);
             let t = Instant::now();
-            for pos in 0..48 {
-                let row = [BatchRow {
-                    seq: 0,
-                    token: token(pos),
-                    pos,
-                    wants_logits: true,
-                }];
-                model.forward(&mut scratch, &mut kv, &mut [&mut seq], &row, &mut logits)?;
-            }
-            speeds[i].push(48.0 / t.elapsed().as_secs_f64());
+            let n = if prefill {
+                let rows: Vec<BatchRow> = (0..256)
+                    .map(|pos| BatchRow {
+                        seq: 0,
+                        token: token(pos),
+                        pos,
+                        wants_logits: pos == 255,
+                    })
+                    .collect();
+                model.forward(&mut scratch, &mut kv, &mut [&mut seq], &rows, &mut logits)?;
+                256
+            } else {
+                for pos in 0..48 {
+                    let row = [BatchRow {
+                        seq: 0,
+                        token: token(pos),
+                        pos,
+                        wants_logits: true,
+                    }];
+                    model.forward(&mut scratch, &mut kv, &mut [&mut seq], &row, &mut logits)?;
+                }
+                48
+            };
+            speeds[i].push(n as f64 / t.elapsed().as_secs_f64());
             kv.release_sequence(seq);
         }
     }
-    println!("{name}, 2 threads, tg48 t/s per L2 prefetch distance (bytes ahead; 0 = off):");
+    let test = if prefill { "pp256" } else { "tg48" };
+    println!("{name}, 2 threads, {test} t/s per L2 prefetch distance (bytes ahead; 0 = off):");
     for (d, v) in distances.iter().zip(&mut speeds) {
         v.sort_by(f64::total_cmp);
         let all: Vec<String> = v.iter().map(|x| format!("{x:.1}")).collect();
