@@ -599,6 +599,12 @@ pub trait ForwardBackend: Send {
     /// A new sequence sharing `src`'s blocks for positions `0..len` (refcounts + 1; `len`
     /// is clamped to `src`'s length). Writing into a shared block copies it first.
     fn kv_fork(&mut self, src: KvSlot, len: usize) -> Result<KvSlot, BackendError>;
+    /// Whether [`ForwardBackend::kv_fork`] can share a prefix at all. A backend whose
+    /// sequence state cannot be shared (DeepSeek V4's compressor and indexer state) says
+    /// no, and the engine then keeps no prefix index instead of asking on every step.
+    fn shares_prefixes(&self) -> bool {
+        true
+    }
     /// Positions reserved in `slot`.
     fn kv_len(&self, slot: KvSlot) -> usize;
     /// Prepares `slot` for writing positions `from..to`: cuts it back to `from`, reserves

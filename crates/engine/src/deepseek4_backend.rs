@@ -149,6 +149,10 @@ impl ForwardBackend for Deepseek4Backend {
         }
     }
 
+    fn shares_prefixes(&self) -> bool {
+        false
+    }
+
     fn kv_fork(&mut self, src: KvSlot, _len: usize) -> Result<KvSlot, BackendError> {
         self.slot(src)?;
         Err(BackendError::Other(

@@ -393,6 +393,8 @@ fn run(
 ) {
     let tok_ref: &Tokenizer = &tok;
     let limits = shared.limits;
+    let mut cfg = cfg;
+    cfg.prefix_cache &= backend.shares_prefixes();
     let mut never = TokenMask::new(limits.n_vocab);
     for &t in tok_ref.never_sample_ids() {
         let _ = never.set(t, true);

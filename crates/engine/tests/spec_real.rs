@@ -522,6 +522,19 @@ fn extraction_under_a_schema_copies_values_in_text_space_and_equals_plain_decodi
             })
             .collect::<Vec<_>>()
     };
+    // Both requests share the prompt: with the prefix cache on, whether the second one
+    // hits it depends on when the engine thread sees it. Off, usage is deterministic.
+    let engine = |t: &Target, spec: SpecConfig| {
+        Engine::start(
+            Box::new(ModelBackend::new(t.model.clone())),
+            t.tok.clone(),
+            EngineConfig {
+                prefix_cache: false,
+                ..cfg(spec)
+            },
+        )
+        .expect("engine starts")
+    };
     let pe = engine(&t, SpecConfig::default());
     let plain = run_all(&pe, reqs());
     pe.shutdown();
