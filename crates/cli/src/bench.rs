@@ -186,16 +186,31 @@ pub fn kernel_set_name() -> String {
     )
 }
 
+impl BenchArgs {
+    /// The first `-m` model (the single-model benches take only that one).
+    fn first_model(&self) -> String {
+        self.models
+            .first()
+            .cloned()
+            .unwrap_or_else(|| DEFAULT_MODEL.into())
+    }
+
+    /// The first non-zero `-n`, else `default`.
+    fn first_gen(&self, default: usize) -> usize {
+        self.n_gen
+            .first()
+            .copied()
+            .filter(|&n| n > 0)
+            .unwrap_or(default)
+    }
+}
+
 /// Runs `lockstep bench`, writing results to `out` as they complete (md, csv) or at the end
 /// (json).
 pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     if args.serve.serve {
         let setup = crate::serve_bench::ServeBenchSetup {
-            model: args
-                .models
-                .first()
-                .cloned()
-                .unwrap_or_else(|| DEFAULT_MODEL.into()),
+            model: args.first_model(),
             threads: args.threads.first().copied(),
             max_tokens: args.n_gen.first().copied().unwrap_or(128),
             json: args.output == BenchOutput::Json,
@@ -204,37 +219,19 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     }
     if args.constraint {
         let gb = crate::grammar_bench::GrammarBenchArgs {
-            model: args
-                .models
-                .first()
-                .cloned()
-                .unwrap_or_else(|| DEFAULT_MODEL.into()),
+            model: args.first_model(),
             threads: args.threads.first().copied(),
-            max_tokens: args
-                .n_gen
-                .first()
-                .copied()
-                .filter(|&n| n > 0)
-                .unwrap_or(512),
+            max_tokens: args.first_gen(512),
             repetitions: args.repetitions,
         };
         return crate::grammar_bench::run(&gb, args.output == BenchOutput::Json, out);
     }
     if args.spec {
         let sb = crate::spec_bench::SpecBenchArgs {
-            model: args
-                .models
-                .first()
-                .cloned()
-                .unwrap_or_else(|| DEFAULT_MODEL.into()),
+            model: args.first_model(),
             draft: args.draft.clone(),
             threads: args.threads.first().copied(),
-            max_tokens: args
-                .n_gen
-                .first()
-                .copied()
-                .filter(|&n| n > 0)
-                .unwrap_or(128),
+            max_tokens: args.first_gen(128),
             repetitions: args.repetitions,
             max_draft: args.spec_max_draft.max(1),
         };
