@@ -136,6 +136,7 @@ impl SpecArgs {
                 fast_forward: true,
                 ngram,
                 draft_model,
+                dspark: None,
             },
             policy: PolicyConfig {
                 max_draft: usize::from(self.max_draft),
