@@ -18,8 +18,8 @@ use lockstep_engine::{
     SamplingParams, SpecConfig, StopCause, Usage,
 };
 use spec::{
-    DraftContext, DraftProposal, Drafter, DrafterKind, DrafterSet, DsparkCounters, DsparkDraft,
-    DsparkDrafter, Mirror, PolicyConfig,
+    Chain, DraftContext, DraftProposal, Drafter, DrafterKind, DrafterSet, DsparkCounters,
+    DsparkDraft, DsparkDrafter, Mirror, PolicyConfig,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -348,7 +348,10 @@ fn dspark_on_the_random_support_file_equals_plain_decoding() {
 struct Watch {
     inner: DsparkDrafter,
     log: Arc<Mutex<WatchLog>>,
-    last: Option<(usize, Vec<u32>)>,
+    /// This cycle's proposals (first position, tokens) and the DSpark drafts in it.
+    cycle: Vec<(usize, Vec<u32>)>,
+    /// Whether the fold was armed when the cycle's first call came.
+    armed_at_start: Option<bool>,
 }
 
 #[derive(Default, Debug)]
@@ -363,6 +366,8 @@ struct WatchLog {
     rearmed: usize,
     /// Times it disarmed.
     disarmed: usize,
+    /// Proposals that continued a block after tokens the chain drafted first (forced).
+    continued: usize,
 }
 
 impl Drafter for Watch {
@@ -372,15 +377,23 @@ impl Drafter for Watch {
 
     fn propose(&mut self, ctx: &DraftContext<'_>, mirror: &mut Mirror<'_>) -> DraftProposal {
         let armed = self.inner.fold_armed();
+        let committed = ctx.target.map_or(0, |t| t.len() + 1);
+        if ctx.tokens.len() == committed {
+            // The first call of a cycle (nothing drafted before it in the round).
+            self.cycle.clear();
+            self.armed_at_start = Some(armed);
+        }
         let p = self.inner.propose(ctx, mirror);
         let mut log = self.log.lock().unwrap();
-        if !armed && p.tokens.len() > 1 {
-            log.long_probes += 1;
-        }
         if !p.tokens.is_empty() {
+            log.continued += usize::from(ctx.tokens.len() > committed);
             log.proposals
                 .push((ctx.tokens.to_vec(), ctx.prompt_len, p.tokens.clone()));
-            self.last = Some((ctx.tokens.len(), p.tokens.clone()));
+            self.cycle.push((ctx.tokens.len(), p.tokens.clone()));
+        }
+        let drafted: usize = self.cycle.iter().map(|c| c.1.len()).sum();
+        if self.armed_at_start == Some(false) && drafted > 1 {
+            log.long_probes += 1;
         }
         p
     }
@@ -390,15 +403,19 @@ impl Drafter for Watch {
         self.inner.observe(committed);
         let after = self.inner.fold_armed();
         let mut log = self.log.lock().unwrap();
-        if let Some((start, toks)) = self.last.take() {
-            let full = committed.len() > start + toks.len()
-                && committed[start..start + toks.len()] == toks[..];
+        if !self.cycle.is_empty() {
+            let full = self.cycle.iter().all(|(start, toks)| {
+                committed.len() > start + toks.len()
+                    && committed[*start..start + toks.len()] == toks[..]
+            });
             if after != full {
                 log.rule_broken += 1;
             }
             log.rearmed += usize::from(!before && after);
             log.disarmed += usize::from(before && !after);
         }
+        self.cycle.clear();
+        self.armed_at_start = None;
     }
 }
 
@@ -410,11 +427,18 @@ fn watched(
 ) -> Vec<GenerateRequest> {
     reqs.into_iter()
         .map(|mut r| {
-            r.drafter = Some(Box::new(Watch {
+            let watch = Box::new(Watch {
                 inner: d.drafter(),
                 log: log.clone(),
-                last: None,
-            }));
+                cycle: Vec::new(),
+                armed_at_start: None,
+            });
+            // Under a grammar, as `DrafterSet::build` does: fast-forward, then DSpark.
+            r.drafter = Some(if r.constraint.is_some() {
+                Box::new(Chain::new(true, vec![watch]))
+            } else {
+                watch
+            });
             r.spec_policy = Some(policy.clone());
             r
         })
@@ -505,7 +529,8 @@ fn constrained_dspark_drafts_stay_inside_the_grammar_and_equal_plain_decoding() 
     use grammar::{Constraint, GrammarLimits, TokenEnv};
     let t = load();
     let env = TokenEnv::with_logit_width(t.tok.clone(), t.model.config().n_vocab).unwrap();
-    let re = Constraint::regex("[a-z]{4,8}( [a-z]{4,8}){3,5}\\.")
+    // Forced stretches (", " and ", and ") that grammar fast-forward drafts before DSpark.
+    let re = Constraint::regex("[a-z]{4,8}, [a-z]{4,8}, [a-z]{4,8}, and [a-z]{4,8}\\.")
         .compile(&env, &GrammarLimits::default())
         .unwrap();
     let reqs = || {
@@ -584,7 +609,25 @@ fn constrained_dspark_drafts_stay_inside_the_grammar_and_equal_plain_decoding() 
         }
     }
     eprintln!(
-        "constrained: {checked} drafted tokens checked against the grammar, {steered} of them where the unmasked choice was a digit"
+        "constrained: {checked} drafted tokens checked against the grammar, {steered} of them \
+         where the unmasked choice was a digit"
     );
     assert!(checked > 20 && steered > 0);
+    eprintln!(
+        "constrained fold: disarmed {} re-armed {}, {} proposals continued a block after \
+         forced tokens",
+        w.disarmed, w.rearmed, w.continued
+    );
+    assert_eq!(
+        w.rule_broken, 0,
+        "the fold is armed exactly after full accepts"
+    );
+    assert_eq!(
+        w.long_probes, 0,
+        "a disarmed fold proposes one slot per cycle"
+    );
+    assert!(
+        w.continued > 0,
+        "DSpark continued blocks after forced tokens"
+    );
 }

@@ -134,6 +134,7 @@ impl DsparkDraft {
             block_len: None,
             fold_armed: true,
             pending: Vec::new(),
+            round: None,
             sampler: Sampler::new(),
             embed: Vec::new(),
             logits: Vec::new(),
@@ -158,9 +159,21 @@ pub struct DsparkDrafter {
     fold_armed: bool,
     /// This round's proposals not yet observed: (first position, tokens).
     pending: Vec<(usize, Vec<u32>)>,
+    /// The current round (one verify cycle's proposal, possibly in several calls of the
+    /// chain): the tokens where this drafter last stopped, and its drafts so far.
+    round: Option<Round>,
     sampler: Sampler,
     embed: Vec<f32>,
     logits: Vec<f32>,
+}
+
+/// Where a drafter stopped in the current round.
+#[derive(Clone, Debug)]
+struct Round {
+    /// The context it last proposed after, followed by that proposal.
+    tokens: Vec<u32>,
+    /// Its drafts in the round so far.
+    drafted: usize,
 }
 
 impl std::fmt::Debug for DsparkDrafter {
@@ -247,13 +260,39 @@ impl Drafter for DsparkDrafter {
             return out;
         }
         let first_slot = ctx.tokens.len() - committed;
-        if first_slot == 0 {
-            // A new round: anything pending was never verified.
+        // The chain may call again in the same round, after tokens it appended (forced ones):
+        // the block continues after them; where nothing was appended, this drafter already
+        // chose to stop there.
+        let same_round = self.round.as_ref().is_some_and(|r| {
+            r.tokens.len() >= committed
+                && ctx.tokens.len() >= r.tokens.len()
+                && ctx.tokens[..r.tokens.len()] == r.tokens[..]
+        });
+        if !same_round {
+            // Anything pending from an earlier round was never verified.
             self.pending.clear();
+            self.round = None;
+        }
+        let done = self.round.as_ref().map_or(0, |r| r.drafted);
+        if self
+            .round
+            .as_ref()
+            .is_some_and(|r| r.tokens.len() == ctx.tokens.len())
+        {
+            return out;
         }
         let slots = cfg.block_size.saturating_sub(first_slot);
-        let cap = if self.fold_armed { slots } else { slots.min(1) };
+        // Disarmed: one slot per round (the probe).
+        let cap = if self.fold_armed {
+            slots
+        } else {
+            slots.min(1usize.saturating_sub(done))
+        };
         let k = cap.min(ctx.max_draft).min(ctx.max_tokens);
+        self.round = Some(Round {
+            tokens: ctx.tokens.to_vec(),
+            drafted: done,
+        });
         if k == 0 {
             return out;
         }
@@ -277,7 +316,8 @@ impl Drafter for DsparkDrafter {
             }
             let hidden = &self.block.hidden[slot * dim..(slot + 1) * dim];
             match model.confidence(&mut sc, hidden, &self.embed) {
-                Ok(c) if c >= ctx.bar(j) => {}
+                // The bar of this draft's position among the round's drafts.
+                Ok(c) if c >= ctx.bar(done + j) => {}
                 _ => {
                     conf_stop = true;
                     break;
@@ -330,6 +370,10 @@ impl Drafter for DsparkDrafter {
                 c.probes += u64::from(probe);
             }
         });
+        if let Some(r) = self.round.as_mut() {
+            r.tokens.extend_from_slice(&out.tokens);
+            r.drafted += out.tokens.len();
+        }
         if !out.tokens.is_empty() {
             out.source = Some(DrafterKind::Dspark);
             // A proposal supersedes unverified ones at or after its start (drafts the
@@ -372,5 +416,6 @@ impl Drafter for DsparkDrafter {
             });
         }
         self.fold_armed = all_full;
+        self.round = None;
     }
 }
