@@ -210,6 +210,9 @@ impl DsparkDrafter {
             .count()
             .min(self.state.len());
         if common < anchor_pos || self.state.len() != anchor_pos {
+            // Rows from `common` on came from other tokens; rows before the window are not
+            // needed (the state restarts at the window's start when `common` is below it).
+            self.state.truncate(common);
             let lo = anchor_pos.saturating_sub(model.window());
             let from = common.max(lo);
             let ok = match rows.rows(from, anchor_pos) {

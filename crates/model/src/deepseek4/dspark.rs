@@ -435,9 +435,10 @@ impl Dspark {
 
     /// Appends the context of positions `from..from + n` from their captured target rows
     /// (`rows`: `n ×` [`Dspark::capture_width`] values, [`super::Deepseek4State::captured`]).
-    /// `from` below the state's length first forgets the context from `from` on; above it,
-    /// the positions in between are declared unknown (the state restarts at `from`: a block
-    /// whose window reaches them is refused). Only the last `W` positions are kept.
+    /// `from` below the state's length first forgets the context from `from` on; above it
+    /// (or below the first position held), the state restarts at `from`: the positions
+    /// before it are unknown and a block whose window reaches them is refused. Only the
+    /// last `W` positions are kept.
     pub fn extend_context(
         &self,
         sc: &mut DsparkScratch,
@@ -453,7 +454,7 @@ impl Dspark {
                 rows.len()
             )));
         }
-        if from > st.len {
+        if from > st.len || from < st.first() {
             st.restart_at(from);
         } else {
             st.truncate(from);
