@@ -500,3 +500,135 @@ fn a_block_depends_only_on_the_context_rows_it_attends() {
     assert!(c0 > 0.0 && c0 < 1.0, "{c0}");
     assert!(d.markov_embed(258, &mut emb).is_err());
 }
+
+/// A little-endian f32 C-order `.npy` file: (shape, values).
+fn read_npy(path: &Path) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(path).expect("npy file");
+    assert!(bytes.starts_with(b"\x93NUMPY"), "{}", path.display());
+    let (hlen, start) = match bytes[6] {
+        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
+        _ => (
+            u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
+            12,
+        ),
+    };
+    let header = std::str::from_utf8(&bytes[start..start + hlen]).unwrap();
+    assert!(header.contains("'<f4'") && header.contains("'fortran_order': False"));
+    let shape_text = header.split("'shape': (").nth(1).unwrap();
+    let shape: Vec<usize> = shape_text[..shape_text.find(')').unwrap()]
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let data: Vec<f32> = bytes[start + hlen..]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert_eq!(data.len(), shape.iter().product::<usize>());
+    (shape, data)
+}
+
+/// Max |port − reference|, as for the V4 logits (`tests/deepseek4.rs`): the reference is a
+/// float64 numpy forward from the same weights, the port f32; the target's own f32 logits are
+/// within ~1e-5 of float64 on these fixtures, and a flipped routing choice (every stage's
+/// top-k clears 2e-3 in the reference, see the manifest) would move values by ~1e-2.
+const TOLERANCE: f32 = 1e-4;
+
+#[test]
+fn the_drafter_matches_the_numpy_reference() {
+    let m: Json =
+        serde_json::from_str(&std::fs::read_to_string(dir().join("manifest.json")).unwrap())
+            .unwrap();
+    let r = &m["dspark"]["supports"][0]["reference"];
+    let (shape, reference) = read_npy(&dir().join(r["file"].as_str().unwrap()));
+    let bytes = std::fs::read(dir().join(r["file"].as_str().unwrap())).unwrap();
+    let hex: String = Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(hex, r["sha256"].as_str().unwrap());
+    let tokens: Vec<u32> = m["fixtures"][0]["sequences"][r["sequence"].as_u64().unwrap() as usize]
+        ["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let anchors: Vec<usize> = r["anchors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as usize)
+        .collect();
+    // The reference computes with the decoded weights: the Q8_0 tensors become F32 here (a
+    // Q8_0 matmul would also quantize its activations, which the reference does not model).
+    let g = support();
+    let mut w = GgufWriter::new();
+    for (k, v) in g.metadata() {
+        w.add(k.clone(), v.clone()).unwrap();
+    }
+    for t in g.tensors() {
+        let data = g.tensor_data(t);
+        if t.ggml_type == gguf::GgmlType::Q8_0 {
+            let k = t.dims[0] as usize;
+            let rows = (t.n_elements() as usize) / k;
+            let rb = data.len() / rows;
+            let mut out = vec![0.0f32; k];
+            let mut f = Vec::with_capacity(rows * k * 4);
+            for row in data.chunks_exact(rb) {
+                quant::dequantize_row(quant::Format::Q8_0, row, &mut out).unwrap();
+                f.extend(out.iter().flat_map(|x| x.to_le_bytes()));
+            }
+            w.add_tensor(&t.name, &t.dims, gguf::GgmlType::F32, f)
+                .unwrap();
+        } else {
+            w.add_tensor(&t.name, &t.dims, t.ggml_type, data.to_vec())
+                .unwrap();
+        }
+    }
+    let tgt = target("flash-layout");
+    let d = Dspark::load(
+        Arc::new(GgufFile::from_bytes(w.to_bytes()).unwrap()),
+        tgt.clone(),
+    )
+    .unwrap();
+    let (v, dim, b) = (258, 64, d.config().block_size);
+    assert_eq!(shape, vec![anchors.len(), b, 2 * v + dim + 1]);
+    let mut sc = d.new_scratch();
+    let mut worst = [0.0f32; 4];
+    for (ai, &a) in anchors.iter().enumerate() {
+        let mut st = tgt.new_capturing_state(&d.config().target_layers).unwrap();
+        run_chunks(&tgt, &mut st, &tokens[..a], &[33, 1, 50]);
+        let lo = a.saturating_sub(d.window());
+        let mut ds = d.new_state();
+        d.extend_context(&mut sc, &mut ds, lo, st.captured(lo, a).unwrap())
+            .unwrap();
+        let mut blk = DsparkBlock::default();
+        d.block(&mut sc, &ds, tokens[a], &mut blk).unwrap();
+        let (mut emb, mut lg) = (Vec::new(), Vec::new());
+        for k in 0..b {
+            let want = &reference[(ai * b + k) * (2 * v + dim + 1)..][..2 * v + dim + 1];
+            let base = &blk.logits[k * v..(k + 1) * v];
+            let hidden = &blk.hidden[k * dim..(k + 1) * dim];
+            d.markov_embed(tokens[a + k], &mut emb).unwrap();
+            d.markov_logits(&mut sc, &emb, base, &mut lg).unwrap();
+            let conf = d.confidence(&mut sc, hidden, &emb).unwrap();
+            let diff = |x: &[f32], y: &[f32]| {
+                x.iter()
+                    .zip(y)
+                    .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()))
+            };
+            worst[0] = worst[0].max(diff(base, &want[..v]));
+            worst[1] = worst[1].max(diff(&lg, &want[v..2 * v]));
+            worst[2] = worst[2].max(diff(hidden, &want[2 * v..2 * v + dim]));
+            worst[3] = worst[3].max((conf - want[2 * v + dim]).abs());
+        }
+    }
+    eprintln!(
+        "DSpark vs numpy float64: max |diff| base logits {:.2e}, Markov logits {:.2e}, hidden \
+         {:.2e}, confidence {:.2e}",
+        worst[0], worst[1], worst[2], worst[3]
+    );
+    assert!(worst.iter().all(|&x| x <= TOLERANCE), "{worst:?}");
+}
