@@ -124,7 +124,10 @@ def compress(x, wkv, wgate, ape, norm, m, width, overlap, eps, freqs):
     return rope(r, np.arange(nw) * m, freqs)
 
 
-def forward(g: G, tokens: list[int], decisions: dict | None = None) -> np.ndarray:
+def forward(g: G, tokens: list[int], decisions: dict | None = None, capture: dict | None = None) -> np.ndarray:
+    """Logits [S, vocab]. With `capture = {"layers": [...]}` it also stores, for each listed
+    layer, the layer's input averaged over the HC streams in capture["rows"][layer] ([S, D]):
+    what a DSpark drafter reads (make_dspark.py's reference)."""
     t = g.t
     S = len(tokens)
     H, hd = g.m("attention.head_count"), g.m("attention.key_length")
@@ -140,6 +143,8 @@ def forward(g: G, tokens: list[int], decisions: dict | None = None) -> np.ndarra
 
     h = np.repeat(t["token_embd.weight"][tokens][:, None, :], N, axis=1)
     for i in range(L):
+        if capture is not None and i in capture["layers"]:
+            capture.setdefault("rows", {})[i] = h.mean(1)
         b = f"blk.{i}."
         m = ratios[i]
         fr = f_comp if m else f_main

@@ -63,13 +63,27 @@ pub fn cpu_only(args: &ModelArgs, command: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The engine backend for `args`: the model loaded on the chosen device. Returns the
-/// backend, its context length and its vocabulary width.
+/// What [`backend`] loaded.
+pub struct Loaded {
+    /// The engine backend.
+    pub backend: Box<dyn ForwardBackend>,
+    /// Its context length.
+    pub n_ctx: usize,
+    /// Its vocabulary width.
+    pub n_vocab: usize,
+    /// The DSpark block drafter, when one was asked for.
+    pub dspark: Option<Arc<spec::DsparkDraft>>,
+}
+
+/// The engine backend for `args`: the model loaded on the chosen device, and with `dspark`
+/// (a DSpark support file, DeepSeek V4 targets only) the block drafter checked against it,
+/// with the backend capturing the rows it reads.
 pub fn backend(
     gguf: &Arc<GgufFile>,
     args: &ModelArgs,
     name: &str,
-) -> anyhow::Result<(Box<dyn ForwardBackend>, usize, usize)> {
+    dspark: Option<&str>,
+) -> anyhow::Result<Loaded> {
     if load::is_deepseek4(gguf) {
         // DeepSeek V4 runs on the CPU backend only (per-sequence compressor state).
         if let DeviceArg::Cuda(n) = args.device {
@@ -78,7 +92,32 @@ pub fn backend(
         let model =
             Arc::new(load::load_deepseek4(gguf, args).with_context(|| format!("loading {name}"))?);
         let (n_ctx, n_vocab) = (model.n_ctx(), model.config().n_vocab);
-        return Ok((Box::new(Deepseek4Backend::new(model)), n_ctx, n_vocab));
+        let mut backend = Deepseek4Backend::new(Arc::clone(&model));
+        let draft = match dspark {
+            None => None,
+            Some(path) => {
+                let support = load::open_gguf(std::path::Path::new(path))?;
+                let d = model::Dspark::load(support, model).with_context(|| {
+                    format!("--dspark {path}: the support file does not fit {name}")
+                })?;
+                let draft = spec::DsparkDraft::new(path, Arc::new(d));
+                backend.capture(draft.capture_layers())?;
+                Some(draft)
+            }
+        };
+        return Ok(Loaded {
+            backend: Box::new(backend),
+            n_ctx,
+            n_vocab,
+            dspark: draft,
+        });
+    }
+    if let Some(path) = dspark {
+        bail!(
+            "--dspark {path}: the DSpark block drafter drafts for DeepSeek V4 (deepseek4) \
+             models; {name} is {}",
+            gguf.architecture().unwrap_or("of unknown architecture")
+        );
     }
     let cuda = match args.device {
         DeviceArg::Cpu => None,
@@ -87,7 +126,14 @@ pub fn backend(
     };
     if let Some((ordinal, explicit)) = cuda {
         match cuda_backend(gguf, args, ordinal) {
-            Ok(b) => return Ok(b),
+            Ok((backend, n_ctx, n_vocab)) => {
+                return Ok(Loaded {
+                    backend,
+                    n_ctx,
+                    n_vocab,
+                    dspark: None,
+                });
+            }
             Err(e) if explicit => {
                 return Err(e).with_context(|| format!("--device cuda:{ordinal} for {name}"));
             }
@@ -100,7 +146,12 @@ pub fn backend(
     }
     let model = Arc::new(load::load_model(gguf, args).with_context(|| format!("loading {name}"))?);
     let (n_ctx, n_vocab) = (model.n_ctx(), model.config().n_vocab);
-    Ok((Box::new(ModelBackend::new(model)), n_ctx, n_vocab))
+    Ok(Loaded {
+        backend: Box::new(ModelBackend::new(model)),
+        n_ctx,
+        n_vocab,
+        dspark: None,
+    })
 }
 
 #[cfg(feature = "cuda")]

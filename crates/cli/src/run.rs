@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::args::{ModelArgs, SamplingArgs, StopArgs};
 use crate::constraint_args::ConstraintArgs;
 use crate::session::{self, Generation, PromptArgs, Session};
-use crate::spec_args::{SpecArgs, SpecReport};
+use crate::spec_args::{DsparkReport, SpecArgs, SpecReport};
 
 /// Arguments of `lockstep run`.
 #[derive(Debug, Args)]
@@ -66,6 +66,9 @@ struct RunReport<'a> {
     top_logprobs: Option<Vec<Vec<(u32, f32)>>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     spec: Option<SpecReport>,
+    /// The DSpark drafter's counters (with `--dspark --spec-stats`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dspark: Option<DsparkReport>,
     /// Wall time of compiling the structured-output constraint, when one was given.
     #[serde(skip_serializing_if = "Option::is_none")]
     grammar_compile_ms: Option<f64>,
@@ -133,6 +136,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> anyhow::Result<()> {
                 .as_ref()
                 .filter(|_| args.spec.stats)
                 .map(SpecReport::of),
+            dspark: session
+                .dspark
+                .as_ref()
+                .filter(|_| args.spec.stats)
+                .map(|d| DsparkReport::of(&d.counters())),
             grammar_compile_ms: grammar.as_ref().map(|g| g.compile_ms),
         };
         writeln!(out, "{}", serde_json::to_string(&report)?)?;
@@ -145,6 +153,9 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         match &generation.spec {
             Some(s) => eprintln!("{}", SpecReport::of(s).line()),
             None => eprintln!("spec: off"),
+        }
+        if let Some(d) = &session.dspark {
+            eprintln!("{}", DsparkReport::of(&d.counters()).line());
         }
     }
     Ok(())

@@ -91,14 +91,24 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
         kv_type,
         spec: engine::SpecConfig::default(),
     };
+    if let Some(path) = &args.spec.dspark {
+        anyhow::bail!(
+            "--dspark {path}: the DSpark block drafter runs in `lockstep run` for now, not in \
+             the server"
+        );
+    }
     if args.spec.enabled() {
         let tokenizer = load::load_tokenizer(&gguf)?;
         let n_vocab = model::Config::from_gguf(&gguf)
             .with_context(|| format!("reading {name}'s configuration"))?
             .n_vocab;
-        opts.spec =
-            args.spec
-                .engine_spec(&tokenizer, n_vocab, &args.model, opts.kv_pool_tokens(n_ctx))?;
+        opts.spec = args.spec.engine_spec(
+            &tokenizer,
+            n_vocab,
+            &args.model,
+            opts.kv_pool_tokens(n_ctx),
+            None,
+        )?;
     }
     drop(gguf);
     let model = Arc::new(

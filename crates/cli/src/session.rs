@@ -61,6 +61,8 @@ pub struct Session {
     pub template: Option<ChatTemplate>,
     /// The engine.
     pub engine: Engine,
+    /// The DSpark block drafter, when `--dspark` gave one (its counters).
+    pub dspark: Option<Arc<spec::DsparkDraft>>,
 }
 
 impl Session {
@@ -86,7 +88,13 @@ impl Session {
         if need_template && template.is_none() {
             return Err(load::no_template_error(&name));
         }
-        let (backend, n_ctx, n_vocab) = crate::device::backend(&gguf, args, &name)?;
+        let dspark_path = spec.and_then(|s| s.dspark.as_deref());
+        let crate::device::Loaded {
+            backend,
+            n_ctx,
+            n_vocab,
+            dspark,
+        } = crate::device::backend(&gguf, args, &name, dspark_path)?;
         let block = backend_cpu::DEFAULT_BLOCK_SIZE;
         let cfg = EngineConfig {
             max_seqs: 1,
@@ -98,7 +106,7 @@ impl Session {
         };
         let cfg = match spec {
             Some(s) => EngineConfig {
-                spec: s.engine_spec(&tokenizer, n_vocab, args, cfg.kv_tokens)?,
+                spec: s.engine_spec(&tokenizer, n_vocab, args, cfg.kv_tokens, dspark.clone())?,
                 ..cfg
             },
             None => cfg,
@@ -110,6 +118,7 @@ impl Session {
             tokenizer,
             template,
             engine,
+            dspark,
         })
     }
 

@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use engine::{SpecConfig, SpecMode, SpecStats};
 use serde::Serialize;
-use spec::{DraftModel, DrafterSet, NgramConfig, PolicyConfig};
+use spec::{DraftModel, DrafterSet, DsparkCounters, DsparkDraft, NgramConfig, PolicyConfig};
 use text::Tokenizer;
 
 use crate::args::ModelArgs;
@@ -25,7 +25,8 @@ pub enum SpecModeArg {
 /// Speculative decoding flags.
 #[derive(Debug, Clone, Args)]
 pub struct SpecArgs {
-    /// Speculative decoding: off, or auto (default: auto when --draft or --ngram is given).
+    /// Speculative decoding: off, or auto (default: auto when --draft, --dspark or --ngram is
+    /// given).
     /// The output is bit-identical either way
     #[arg(long = "spec", value_enum, value_name = "MODE")]
     pub spec: Option<SpecModeArg>,
@@ -35,6 +36,12 @@ pub struct SpecArgs {
     /// not pay
     #[arg(long = "draft", value_name = "MODEL")]
     pub draft: Option<String>,
+
+    /// DSpark block drafter for a DeepSeek V4 model: a support GGUF (ds4's
+    /// `deepseek4.dspark.*` or the forks' `dspark.*` metadata, `mtp.*` stage tensors); the
+    /// target's rows at its layers are captured while it runs. `lockstep run` only
+    #[arg(long = "dspark", value_name = "FILE")]
+    pub dspark: Option<String>,
 
     /// n-gram / prompt-lookup drafting with keys of up to N tokens (default 3)
     #[arg(long = "ngram", value_name = "N", num_args = 0..=1, default_missing_value = "3",
@@ -46,7 +53,7 @@ pub struct SpecArgs {
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub max_draft: u16,
 
-    /// Per-position confidence bars for drafters with a confidence (the draft model)
+    /// Per-position confidence bars for drafters with a confidence (the draft model, DSpark)
     #[arg(
         long = "spec-confidence-grid",
         value_name = "LIST",
@@ -71,22 +78,27 @@ impl SpecArgs {
         match self.spec {
             Some(SpecModeArg::Off) => false,
             Some(SpecModeArg::Auto) => true,
-            None => self.draft.is_some() || self.ngram.is_some(),
+            None => self.draft.is_some() || self.ngram.is_some() || self.dspark.is_some(),
         }
     }
 
     /// The engine's speculation settings for a target with tokenizer `tok` and logit width
     /// `n_vocab`; loads and checks the draft model (`model` gives threads, context, KV
-    /// type).
+    /// type). `dspark` is the block drafter [`crate::device::backend`] loaded for
+    /// `--dspark` (required when it was given).
     pub fn engine_spec(
         &self,
         tok: &Tokenizer,
         n_vocab: usize,
         model: &ModelArgs,
         kv_tokens: usize,
+        dspark: Option<Arc<DsparkDraft>>,
     ) -> anyhow::Result<SpecConfig> {
         if !self.enabled() {
             return Ok(SpecConfig::default());
+        }
+        if let (Some(path), None) = (&self.dspark, &dspark) {
+            anyhow::bail!("--dspark {path}: the support file was not loaded for this model");
         }
         for &b in &self.confidence_grid {
             anyhow::ensure!(
@@ -121,14 +133,14 @@ impl SpecArgs {
                 )?)
             }
         };
-        let ngram = match (self.ngram, &draft_model) {
-            (Some(n), _) => Some(NgramConfig {
+        let ngram = match self.ngram {
+            Some(n) => Some(NgramConfig {
                 max_n: usize::from(n),
                 ..NgramConfig::default()
             }),
             // `--spec auto` alone: the free drafters.
-            (None, None) => Some(NgramConfig::default()),
-            (None, Some(_)) => None,
+            None if draft_model.is_none() && dspark.is_none() => Some(NgramConfig::default()),
+            None => None,
         };
         Ok(SpecConfig {
             mode: SpecMode::Auto,
@@ -136,6 +148,7 @@ impl SpecArgs {
                 fast_forward: true,
                 ngram,
                 draft_model,
+                dspark,
             },
             policy: PolicyConfig {
                 max_draft: usize::from(self.max_draft),
@@ -144,6 +157,67 @@ impl SpecArgs {
                 ..PolicyConfig::default()
             },
         })
+    }
+}
+
+/// The `dspark` object of `--output json` with `--dspark --spec-stats`: the DSpark
+/// drafter's own counters.
+#[derive(Debug, Clone, Serialize)]
+pub struct DsparkReport {
+    blocks: u64,
+    proposals: u64,
+    probes: u64,
+    proposed: u64,
+    verified: u64,
+    drafted: u64,
+    accepted: u64,
+    rejected: u64,
+    full: u64,
+    partial: u64,
+    miss: u64,
+    confidence_stops: u64,
+    mask_stops: u64,
+}
+
+impl DsparkReport {
+    /// The report of `c`.
+    pub fn of(c: &DsparkCounters) -> DsparkReport {
+        DsparkReport {
+            blocks: c.blocks,
+            proposals: c.proposals,
+            probes: c.probes,
+            proposed: c.proposed,
+            verified: c.verified,
+            drafted: c.drafted,
+            accepted: c.accepted,
+            rejected: c.rejected(),
+            full: c.full,
+            partial: c.partial,
+            miss: c.miss,
+            confidence_stops: c.confidence_stops,
+            mask_stops: c.mask_stops,
+        }
+    }
+
+    /// One line for stderr.
+    pub fn line(&self) -> String {
+        format!(
+            "dspark: {} blocks, {} proposals ({} one-slot probes), {} tokens proposed; \
+             verified {} tokens: accepted {}, rejected {}; full/partial/miss {}/{}/{}; \
+             stopped by confidence {}, by the grammar {}",
+            self.blocks,
+            self.proposals,
+            self.probes,
+            self.proposed,
+            self.drafted,
+            self.accepted,
+            self.rejected,
+            self.full,
+            self.partial,
+            self.miss,
+            self.confidence_stops,
+            self.mask_stops
+        )
     }
 }
 

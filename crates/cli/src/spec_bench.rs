@@ -207,6 +207,7 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
                     fast_forward: true,
                     ngram: None,
                     draft_model: Some(dm.clone()),
+                    dspark: None,
                 })
             },
         ));
@@ -218,6 +219,7 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
                     fast_forward: true,
                     ngram: Some(spec::NgramConfig::default()),
                     draft_model: Some(dm.clone()),
+                    dspark: None,
                 })
             },
         ));

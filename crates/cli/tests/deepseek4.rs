@@ -1,5 +1,7 @@
 //! `lockstep run` on a DeepSeek V4 file (the committed reference fixture): plain and
-//! speculative greedy runs give the same tokens, and CUDA is refused with a clear error.
+//! speculative greedy runs give the same tokens (n-gram, and the DSpark drafter of the
+//! synthetic support file), a support file made for another target is refused with a clear
+//! error, and CUDA is refused with a clear error.
 
 use std::process::Command;
 
@@ -14,8 +16,22 @@ fn fixture() -> String {
     )
 }
 
+fn support() -> String {
+    format!(
+        "{}/../model/tests/fixtures/deepseek4/flash-layout.dspark.gguf",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
 fn run(extra: &[&str]) -> Result<std::process::Output, Box<dyn std::error::Error>> {
-    let model = fixture();
+    run_model(&fixture(), extra)
+}
+
+fn run_model(
+    model: &str,
+    extra: &[&str],
+) -> Result<std::process::Output, Box<dyn std::error::Error>> {
+    let model = model.to_string();
     let mut args = vec!["run", "-m", &model, "-p", "abcabcabcabc abcabc", "-n", "16"];
     args.extend_from_slice(extra);
     Ok(Command::new(env!("CARGO_BIN_EXE_lockstep"))
@@ -57,6 +73,59 @@ fn run_generates_with_a_deepseek4_file() -> TestResult {
     assert_eq!(plain, spec, "speculation changes nothing");
     let text = run(&[])?;
     assert!(text.status.success());
+    Ok(())
+}
+
+#[test]
+fn run_drafts_with_a_dspark_support_file() -> TestResult {
+    let plain = tokens(&run(&["--temp", "0", "--ignore-eos", "-o", "json"])?)?;
+    let sup = support();
+    for temp in ["0", "0.8"] {
+        let base = ["--temp", temp, "--seed", "7", "--ignore-eos", "-o", "json"];
+        let plain_t = tokens(&run(&base)?)?;
+        let mut args = base.to_vec();
+        args.extend_from_slice(&["--dspark", &sup, "--spec-max-draft", "5", "--spec-stats"]);
+        args.extend_from_slice(&["--spec-confidence-grid", "0"]);
+        let out = run(&args)?;
+        assert_eq!(tokens(&out)?, plain_t, "T={temp}: DSpark changes nothing");
+        let v: Value = serde_json::from_str(
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .last()
+                .ok_or("no output")?,
+        )?;
+        let d = &v["dspark"];
+        assert!(
+            d["proposals"].as_u64().ok_or("no dspark counters")? > 0,
+            "{v}"
+        );
+        assert!(d["verified"].as_u64().unwrap_or(0) > 0, "{v}");
+        assert!(v["spec"]["drafted"].as_u64().unwrap_or(0) > 0, "{v}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("dspark: ") && err.contains("proposals"),
+            "{err}"
+        );
+        if temp == "0" {
+            assert_eq!(plain, plain_t);
+        }
+    }
+    // A support file made for another target.
+    let other = format!(
+        "{}/../model/tests/fixtures/deepseek4/small-ratios.gguf",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let out = run_model(&other, &["--dspark", &sup])?;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("does not fit") && err.contains("target layer"),
+        "{err}"
+    );
+    let help = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["run", "--help"])
+        .output()?;
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--dspark <FILE>"));
     Ok(())
 }
 

@@ -623,6 +623,12 @@ pub trait ForwardBackend: Send {
     /// [`ForwardBackend::kv_prepare`]. `logits` is cleared, then gets `n_vocab` values for
     /// each row with `wants_logits`, in row order.
     fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError>;
+    /// The target rows `slot`'s forwards captured (a DSpark drafter reads them), when this
+    /// backend captures; `None` by default.
+    fn target_rows(&self, slot: KvSlot) -> Option<&dyn spec::TargetRows> {
+        let _ = slot;
+        None
+    }
 }
 
 // ---------------------------------------------------------------------------------------

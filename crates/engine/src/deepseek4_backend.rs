@@ -14,6 +14,10 @@
 //! Forks are refused ([`ForwardBackend::kv_fork`] errs): a state cannot share its logs, and
 //! copying one per published block would cost more than recomputing the prompt. The engine
 //! then computes every prompt in full (no prefix reuse); output is the same either way.
+//!
+//! With a DSpark drafter attached ([`Deepseek4Backend::capture`]), every sequence's state
+//! also captures the target rows the drafter reads ([`ForwardBackend::target_rows`]); they
+//! are truncated with the state. Without one nothing is captured.
 
 use crate::api::{BackendError, ForwardBackend, ForwardRow, KvSlot};
 use model::{BatchRow, Deepseek4, Deepseek4Scratch, Deepseek4State, ModelError};
@@ -36,6 +40,8 @@ pub struct Deepseek4Backend {
     block_size: usize,
     total_blocks: usize,
     used_blocks: usize,
+    /// Layers whose input rows new states capture (DSpark).
+    capture: Option<Vec<usize>>,
 }
 
 fn model_err(e: ModelError) -> BackendError {
@@ -55,7 +61,22 @@ impl Deepseek4Backend {
             block_size: backend_cpu::DEFAULT_BLOCK_SIZE,
             total_blocks: 0,
             used_blocks: 0,
+            capture: None,
         }
+    }
+
+    /// Makes every sequence created from now on capture the input rows of `layers` (a
+    /// DSpark drafter's target layers). Errors when a layer is outside the model, repeated,
+    /// or the list is empty.
+    pub fn capture(&mut self, layers: &[usize]) -> Result<(), BackendError> {
+        self.model.new_capturing_state(layers).map_err(model_err)?;
+        self.capture = Some(layers.to_vec());
+        Ok(())
+    }
+
+    /// The layers new sequences capture (`None`: nothing is captured).
+    pub fn capture_layers(&self) -> Option<&[usize]> {
+        self.capture.as_deref()
     }
 
     /// The model.
@@ -133,10 +154,15 @@ impl ForwardBackend for Deepseek4Backend {
     }
 
     fn kv_new(&mut self) -> KvSlot {
-        let slot = Slot {
-            state: self.model.new_state(),
-            reserved: 0,
+        let state = match &self.capture {
+            // Validated by `capture`.
+            Some(layers) => self
+                .model
+                .new_capturing_state(layers)
+                .unwrap_or_else(|_| self.model.new_state()),
+            None => self.model.new_state(),
         };
+        let slot = Slot { state, reserved: 0 };
         match self.free_slots.pop() {
             Some(i) => {
                 self.slots[i as usize] = Some(slot);
@@ -254,6 +280,11 @@ impl ForwardBackend for Deepseek4Backend {
             self.slots[slot.0 as usize] = Some(s);
         }
         result
+    }
+
+    fn target_rows(&self, slot: KvSlot) -> Option<&dyn spec::TargetRows> {
+        let s = self.slot(slot).ok()?;
+        (s.state.capture_width() > 0).then_some(&s.state as &dyn spec::TargetRows)
     }
 }
 

@@ -1132,6 +1132,7 @@ impl<'t> Loop<'t> {
                 bars: &plan.bars,
                 eos_ends: !s.ignore_eos,
                 eos,
+                target: s.slot.and_then(|slot| self.backend.target_rows(slot)),
             };
             let mut prop = sp.drafter.propose(&ctx, &mut mirror);
             // Never more than the room, never a token outside the logits.

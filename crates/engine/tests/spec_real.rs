@@ -242,6 +242,7 @@ fn check_all_drafters(
                     fast_forward: false,
                     ngram: None,
                     draft_model: Some(dm),
+                    dspark: None,
                 })
             },
         );
@@ -473,6 +474,7 @@ fn qwen_coder_half_b_drafting_for_one_and_a_half_b_equals_plain_decoding() {
                 fast_forward: true,
                 ngram: None,
                 draft_model: Some(dm),
+                dspark: None,
             })
         },
     );

@@ -60,6 +60,10 @@
 //!
 //! The state holds f32 values (no f16 rounding), and K/V are always read back from it.
 
+mod dspark;
+
+pub use dspark::{Dspark, DsparkBlock, DsparkConfig, DsparkScratch, DsparkState};
+
 use crate::ModelError;
 use crate::config::vocab;
 use crate::exec::{ActsCache, MAX_GROUP, MatJob, for_rows, matmuls};
@@ -1000,6 +1004,34 @@ impl Deepseek4 {
         Deepseek4State::new(&self.cfg)
     }
 
+    /// A new, empty sequence state that also captures, at every computed position, the
+    /// input rows of `layers` averaged over the HC streams (what a DSpark drafter reads;
+    /// [`Deepseek4State::captured`]). The rows are concatenated in ascending layer order.
+    /// Capturing changes no logit. Errors on an empty list, a repeated layer or one outside
+    /// the model.
+    pub fn new_capturing_state(&self, layers: &[usize]) -> Result<Deepseek4State, ModelError> {
+        let mut sorted = layers.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.is_empty() || sorted.len() != layers.len() {
+            return Err(ModelError::Config(format!(
+                "capture layers {layers:?} must be distinct and at least one"
+            )));
+        }
+        if let Some(&bad) = sorted.iter().find(|&&l| l >= self.cfg.n_layer) {
+            return Err(ModelError::Config(format!(
+                "capture layer {bad} is outside the model's {} layers",
+                self.cfg.n_layer
+            )));
+        }
+        let mut st = Deepseek4State::new(&self.cfg);
+        st.capture = Some(Capture {
+            log: Log::new(sorted.len() * self.cfg.n_embd),
+            layers: sorted,
+        });
+        Ok(st)
+    }
+
     /// Empty scratch buffers for [`Deepseek4::forward`].
     pub fn new_scratch(&self) -> Deepseek4Scratch {
         Deepseek4Scratch::default()
@@ -1059,14 +1091,31 @@ impl Deepseek4 {
                 s.h[base..base + d].copy_from_slice(&s.x[..d]);
             }
         }
+        // Captured rows (DSpark): `m × cap_w`, only when a sequence in the batch captures.
+        let cap_w = states
+            .iter()
+            .map(|st| st.capture_width())
+            .max()
+            .unwrap_or(0);
+        grow(&mut s.cap, m * cap_w);
         let mut run = || -> Result<(), ModelError> {
             for (li, layer) in self.layers.iter().enumerate() {
+                if cap_w > 0 {
+                    capture_rows(&self.cfg, s, states, rows, li, cap_w);
+                }
                 self.attention(&cx, s, states, rows, li, layer)?;
                 self.moe(&cx, s, rows, li, layer)?;
             }
             self.head(&cx, s, rows, logits_out)
         };
         let result = run();
+        if result.is_ok() && cap_w > 0 {
+            for (r, row) in rows.iter().enumerate() {
+                if let Some(c) = &mut states[row.seq].capture {
+                    c.log.push(&s.cap[r * cap_w..r * cap_w + c.log.width]);
+                }
+            }
+        }
         for (st, span) in states.iter_mut().zip(&spans) {
             match (*span, &result) {
                 (Some((_, last)), Ok(())) => st.len = last + 1,
@@ -1225,6 +1274,17 @@ pub struct Deepseek4State {
     len: usize,
     floor: usize,
     window: usize,
+    /// Captured target rows (DSpark), when the state was made capturing.
+    capture: Option<Capture>,
+}
+
+/// The rows a DSpark drafter reads: per position, the input of each captured layer averaged
+/// over the HC streams, concatenated in layer order (`layers.len() × D` values).
+#[derive(Clone, Debug)]
+struct Capture {
+    /// Captured layers, ascending.
+    layers: Vec<usize>,
+    log: Log,
 }
 
 impl Deepseek4State {
@@ -1258,7 +1318,32 @@ impl Deepseek4State {
             len: 0,
             floor: 0,
             window: cfg.window,
+            capture: None,
         }
+    }
+
+    /// Width of a captured row (0 when the state does not capture).
+    pub fn capture_width(&self) -> usize {
+        self.capture.as_ref().map_or(0, |c| c.log.width)
+    }
+
+    /// The layers whose input rows this state captures (empty when it does not).
+    pub fn capture_layers(&self) -> &[usize] {
+        self.capture.as_ref().map_or(&[], |c| &c.layers)
+    }
+
+    /// The captured rows of positions `from..to`, contiguous (`(to − from) ×`
+    /// [`Deepseek4State::capture_width`] values); `None` when the state does not capture or
+    /// a row is not held (beyond the computed length, or released: rows before the sliding
+    /// window of the last forward's first position are dropped as the raw KV rows are).
+    pub fn captured(&self, from: usize, to: usize) -> Option<&[f32]> {
+        let c = self.capture.as_ref()?;
+        let w = c.log.width;
+        if from > to || to > self.len || from < c.log.base {
+            return None;
+        }
+        let (a, b) = ((from - c.log.base) * w, (to - c.log.base) * w);
+        c.log.data.get(a..b)
     }
 
     /// Positions computed.
@@ -1296,6 +1381,9 @@ impl Deepseek4State {
     /// Cuts every log to `len` positions (also logs a failed forward left longer than
     /// `self.len`).
     fn cut(&mut self, len: usize) {
+        if let Some(c) = &mut self.capture {
+            c.log.truncate(len);
+        }
         for l in &mut self.layers {
             l.kv.truncate(len);
             for c in l.comp.iter_mut().chain(l.index.iter_mut()) {
@@ -1308,17 +1396,19 @@ impl Deepseek4State {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| {
-                l.kv.bytes()
-                    + l.comp
-                        .iter()
-                        .chain(l.index.iter())
-                        .map(|c| c.tokens.bytes() + c.rows.bytes())
-                        .sum::<usize>()
-            })
-            .sum()
+        self.capture.as_ref().map_or(0, |c| c.log.bytes())
+            + self
+                .layers
+                .iter()
+                .map(|l| {
+                    l.kv.bytes()
+                        + l.comp
+                            .iter()
+                            .chain(l.index.iter())
+                            .map(|c| c.tokens.bytes() + c.rows.bytes())
+                            .sum::<usize>()
+                })
+                .sum::<usize>()
     }
 
     /// Starts a forward at `first` (validated: `floor ≤ first ≤ len`): cut back, raise the
@@ -1326,6 +1416,10 @@ impl Deepseek4State {
     fn begin(&mut self, first: usize) {
         let _ = self.truncate(first);
         self.floor = first;
+        if let Some(c) = &mut self.capture {
+            // A drafter reads the rows of the window before its anchor (at `first` or later).
+            c.log.forget_before((first + 1).saturating_sub(self.window));
+        }
         for l in &mut self.layers {
             l.kv.forget_before((first + 1).saturating_sub(self.window));
             for c in l.comp.iter_mut().chain(l.index.iter_mut()) {
@@ -1381,6 +1475,8 @@ pub struct Deepseek4Scratch {
     head: Vec<f32>,
     cs_main: Vec<f32>,
     cs_comp: Vec<f32>,
+    /// Captured rows (DSpark) of this forward, `m × width`.
+    cap: Vec<f32>,
     /// Per row of a CSA layer: the compressed rows kept by the indexer.
     sel: Vec<Vec<u32>>,
     /// Per row: (expert, gate) of its `k` routed experts.
@@ -1471,7 +1567,7 @@ impl Deepseek4Scratch {
             &self.h, &self.h2, &self.flat, &self.mix, &self.hcw, &self.x, &self.xn, &self.a,
             &self.qr, &self.q, &self.kv, &self.cc, &self.cz, &self.ic, &self.iz, &self.qi,
             &self.wts, &self.att, &self.grp, &self.zg, &self.zo, &self.rl, &self.sg, &self.su,
-            &self.ys, &self.xe, &self.ge, &self.ue, &self.ye, &self.head, &self.tmp,
+            &self.ys, &self.xe, &self.ge, &self.ue, &self.ye, &self.head, &self.tmp, &self.cap,
         ]
         .iter()
         .map(|v| v.capacity())
@@ -1896,6 +1992,26 @@ impl Deepseek4 {
                 }
             });
         }
+        self.attn_project(cx, s, a, m)
+    }
+
+    /// The attention block's tail: the output in `s.att` rotated back by each query's
+    /// position, the grouped low-rank projection into `s.a`, then the HC update.
+    fn attn_project(
+        &self,
+        cx: &Cx<'_>,
+        s: &mut Deepseek4Scratch,
+        a: &Attn,
+        m: usize,
+    ) -> Result<(), ModelError> {
+        let cfg = cx.cfg;
+        let (hd, rd) = (cfg.head_dim, cfg.n_rot);
+        let qd = cfg.n_head * hd;
+        let cs = if a.kind == V4Attention::Sliding {
+            &s.cs_main
+        } else {
+            &s.cs_comp
+        };
         // Rotate the output back by the query's position, then the grouped projection.
         for_rows(cx.pool, &mut s.att[..m * qd], qd, |r, row| {
             rope_tail(row, hd, &cs[r * rd..(r + 1) * rd], true);
@@ -2133,6 +2249,39 @@ impl Deepseek4 {
             nl,
             &mut [(&self.output, &mut logits[..])],
         )
+    }
+}
+
+/// Stores, for every row whose sequence captures layer `li`, the layer's input averaged over
+/// the HC streams (`Σ_j h_j` in stream order, then `/ N`) into its piece of `s.cap` (row
+/// stride `cap_w`, pieces in ascending layer order).
+fn capture_rows(
+    cfg: &Deepseek4Config,
+    s: &mut Deepseek4Scratch,
+    states: &[&mut Deepseek4State],
+    rows: &[BatchRow],
+    li: usize,
+    cap_w: usize,
+) {
+    let (n, d) = (cfg.hc_streams, cfg.n_embd);
+    let nd = n * d;
+    let n_f = n as f32;
+    for (r, row) in rows.iter().enumerate() {
+        let Some(c) = states.get(row.seq).and_then(|st| st.capture.as_ref()) else {
+            continue;
+        };
+        let Some(t) = c.layers.iter().position(|&l| l == li) else {
+            continue;
+        };
+        let h = &s.h[r * nd..(r + 1) * nd];
+        let out = &mut s.cap[r * cap_w + t * d..r * cap_w + (t + 1) * d];
+        for (i, o) in out.iter_mut().enumerate() {
+            let mut acc = 0.0f32;
+            for j in 0..n {
+                acc += h[j * d + i];
+            }
+            *o = acc / n_f;
+        }
     }
 }
 

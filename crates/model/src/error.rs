@@ -63,6 +63,11 @@ pub enum ModelError {
         why: String,
     },
 
+    /// A DSpark support file is malformed or does not fit its target (metadata, tensor
+    /// names, shapes or types).
+    #[error("DSpark support file: {0}")]
+    Dspark(String),
+
     /// A batch row's position lies at or beyond the configured context length.
     #[error(
         "context overflow: row {row} is at position {pos}, the context holds {n_ctx} tokens \

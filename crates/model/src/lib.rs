@@ -35,7 +35,8 @@
 //!
 //! Layout: `config` (hyperparameters), `weights` (packed matrices, views, shape checks), `layers` (the
 //! shared attention and feed-forward blocks), one file per architecture (`llama`: llama
-//! and qwen2; `gemma3`; `deepseek4`: the forward, its config and its state), `exec`
+//! and qwen2; `gemma3`; `deepseek4`: the forward, its config and its state, and its
+//! `dspark` block drafter), `exec`
 //! (thread-pool matmuls split over N), `memory` (estimates).
 
 mod config;
@@ -52,7 +53,8 @@ mod weights;
 pub use backend_cpu::{KvCache, KvType, SeqKv, ThreadPool};
 pub use config::{Arch, Config, RopeScaling, SUPPORTED_ARCHITECTURES};
 pub use deepseek4::{
-    Deepseek4, Deepseek4Config, Deepseek4Scratch, Deepseek4State, Deepseek4Trace, V4Attention, Yarn,
+    Deepseek4, Deepseek4Config, Deepseek4Scratch, Deepseek4State, Deepseek4Trace, Dspark,
+    DsparkBlock, DsparkConfig, DsparkScratch, DsparkState, V4Attention, Yarn,
 };
 pub use error::ModelError;
 pub use layers::ForwardScratch;

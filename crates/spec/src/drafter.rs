@@ -16,17 +16,24 @@ pub enum DrafterKind {
     Oracle,
     /// Test drafter that is always wrong.
     Adversary,
+    /// The DeepSeek V4 DSpark block drafter (a support file's stage chain over the target's
+    /// captured rows).
+    Dspark,
 }
 
 impl DrafterKind {
     /// Every kind, in a fixed order (index = [`DrafterKind::index`]).
-    pub const ALL: [DrafterKind; 5] = [
+    pub const ALL: [DrafterKind; 6] = [
         DrafterKind::FastForward,
         DrafterKind::Ngram,
         DrafterKind::DraftModel,
         DrafterKind::Oracle,
         DrafterKind::Adversary,
+        DrafterKind::Dspark,
     ];
+
+    /// Number of kinds (the length of per-kind tables).
+    pub const COUNT: usize = DrafterKind::ALL.len();
 
     /// A stable index into per-kind tables.
     pub fn index(self) -> usize {
@@ -36,11 +43,12 @@ impl DrafterKind {
             DrafterKind::DraftModel => 2,
             DrafterKind::Oracle => 3,
             DrafterKind::Adversary => 4,
+            DrafterKind::Dspark => 5,
         }
     }
 
     /// A short lowercase name (`fast-forward`, `ngram`, `draft-model`, `oracle`,
-    /// `adversary`).
+    /// `adversary`, `dspark`).
     pub fn name(self) -> &'static str {
         match self {
             DrafterKind::FastForward => "fast-forward",
@@ -48,18 +56,50 @@ impl DrafterKind {
             DrafterKind::DraftModel => "draft-model",
             DrafterKind::Oracle => "oracle",
             DrafterKind::Adversary => "adversary",
+            DrafterKind::Dspark => "dspark",
         }
     }
 
     /// Whether drafting with this kind costs real compute (the cost model charges it).
     pub fn is_costly(self) -> bool {
-        matches!(self, DrafterKind::DraftModel)
+        matches!(self, DrafterKind::DraftModel | DrafterKind::Dspark)
+    }
+}
+
+/// The target's captured hidden rows of one sequence (what the DSpark drafter reads): one
+/// row per computed position, i.e. every committed token but the last, whose forward rides
+/// in the next verify block.
+pub trait TargetRows {
+    /// Values per row.
+    fn width(&self) -> usize;
+    /// Positions computed: rows may exist for `0..len()`.
+    fn len(&self) -> usize;
+    /// Whether no position is computed.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The rows of positions `from..to`, contiguous; `None` when one is not held (older
+    /// rows are released with the target's sliding window).
+    fn rows(&self, from: usize, to: usize) -> Option<&[f32]>;
+}
+
+impl TargetRows for model::Deepseek4State {
+    fn width(&self) -> usize {
+        self.capture_width()
+    }
+
+    fn len(&self) -> usize {
+        model::Deepseek4State::len(self)
+    }
+
+    fn rows(&self, from: usize, to: usize) -> Option<&[f32]> {
+        self.captured(from, to)
     }
 }
 
 /// What a drafter knows when it proposes: the committed tokens of one sequence and how the
 /// target chooses.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub struct DraftContext<'a> {
     /// Committed tokens: the prompt followed by the generated output. The last one is the
     /// token `t` whose forward rides in the verify block as row 0; drafts follow it.
@@ -81,12 +121,30 @@ pub struct DraftContext<'a> {
     pub allow_costly: bool,
     /// Per-position confidence bars: draft position `j` (0-based) needs a confidence of
     /// at least `bars[min(j, len - 1)]`; empty = no bar. Only drafters that have a
-    /// confidence (the draft model) use it.
+    /// confidence (the draft model: its choice's probability; DSpark: its confidence head)
+    /// use it.
     pub bars: &'a [f32],
     /// Whether an end-of-generation token ends the output (false with `ignore_eos`).
     pub eos_ends: bool,
     /// End-of-generation ids (drafting stops after proposing one when `eos_ends`).
     pub eos: &'a [u32],
+    /// The target's captured rows of this sequence, when the backend captures them (a
+    /// DSpark drafter is attached); `None` otherwise.
+    pub target: Option<&'a dyn TargetRows>,
+}
+
+impl std::fmt::Debug for DraftContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DraftContext")
+            .field("tokens", &self.tokens.len())
+            .field("prompt_len", &self.prompt_len)
+            .field("max_tokens", &self.max_tokens)
+            .field("max_draft", &self.max_draft)
+            .field("allow_costly", &self.allow_costly)
+            .field("bars", &self.bars)
+            .field("target_rows", &self.target.map(|t| t.len()))
+            .finish()
+    }
 }
 
 impl DraftContext<'_> {

@@ -12,7 +12,8 @@
 //!
 //! Drafters: [`NgramDrafter`] (prompt lookup), [`FastForward`] (grammar-forced tokens),
 //! [`DraftModelDrafter`] (a smaller model with the same tokenizer, its own KV, coupled
-//! noise), and for tests [`Oracle`] (replays the plain output: 100% acceptance) and
+//! noise), [`DsparkDrafter`] (DeepSeek V4's DSpark block drafter over the target's captured
+//! rows, [`TargetRows`]), and for tests [`Oracle`] (replays the plain output: 100% acceptance) and
 //! [`Adversary`] (always wrong: 0%). [`Chain`] combines them per sequence;
 //! [`DrafterSet`] builds a chain for each new sequence. The adaptive policy
 //! ([`SeqPolicy`], [`CostModel`]) decides when and how far to draft; [`SpecStats`] counts.
@@ -20,6 +21,7 @@
 mod chain;
 mod draft_model;
 mod drafter;
+mod dspark;
 mod ngram;
 mod policy;
 mod stats;
@@ -28,7 +30,10 @@ mod text_cursor;
 
 pub use chain::{Chain, FastForward};
 pub use draft_model::{DraftModel, DraftModelDrafter, check_same_tokenizer};
-pub use drafter::{DraftContext, DraftMirror, DraftProposal, Drafter, DrafterKind, Mirror};
+pub use drafter::{
+    DraftContext, DraftMirror, DraftProposal, Drafter, DrafterKind, Mirror, TargetRows,
+};
+pub use dspark::{DsparkCounters, DsparkDraft, DsparkDrafter};
 pub use ngram::{NgramConfig, NgramDrafter, find_match};
 pub use policy::{
     Acceptance, CostModel, Gate, Plan, PolicyConfig, SeqPolicy, best_k, expected_rate,
@@ -58,6 +63,8 @@ pub struct DrafterSet {
     pub ngram: Option<NgramConfig>,
     /// A draft model.
     pub draft_model: Option<Arc<DraftModel>>,
+    /// The DSpark block drafter (DeepSeek V4 targets whose backend captures its rows).
+    pub dspark: Option<Arc<DsparkDraft>>,
 }
 
 impl PartialEq for DrafterSet {
@@ -69,13 +76,21 @@ impl PartialEq for DrafterSet {
                 (Some(a), Some(b)) => Arc::ptr_eq(a, b),
                 _ => false,
             }
+            && match (&self.dspark, &other.dspark) {
+                (None, None) => true,
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                _ => false,
+            }
     }
 }
 
 impl DrafterSet {
     /// Whether no drafter is configured.
     pub fn is_empty(&self) -> bool {
-        !self.fast_forward && self.ngram.is_none() && self.draft_model.is_none()
+        !self.fast_forward
+            && self.ngram.is_none()
+            && self.draft_model.is_none()
+            && self.dspark.is_none()
     }
 
     /// n-gram (keys up to `max_n`) and fast-forward: the free drafters.
@@ -87,10 +102,12 @@ impl DrafterSet {
                 ..NgramConfig::default()
             }),
             draft_model: None,
+            dspark: None,
         }
     }
 
-    /// A chain for one new sequence: fast-forward, then n-gram, then the draft model.
+    /// A chain for one new sequence: fast-forward, then n-gram, then DSpark, then the
+    /// draft model.
     pub fn build(&self) -> Chain {
         self.build_with_text(None)
     }
@@ -105,6 +122,9 @@ impl DrafterSet {
                 Some(tok) => NgramDrafter::with_text(cfg, Arc::clone(tok)),
                 None => NgramDrafter::new(cfg),
             }));
+        }
+        if let Some(ds) = &self.dspark {
+            drafters.push(Box::new(ds.drafter()));
         }
         if let Some(dm) = &self.draft_model {
             drafters.push(Box::new(dm.drafter()));

@@ -407,6 +407,7 @@ mod tests {
             bars: &[],
             eos_ends: true,
             eos: &[99],
+            target: None,
         }
     }
 
@@ -492,6 +493,7 @@ mod cursor_tests {
             bars: &[],
             eos_ends: true,
             eos: &[99],
+            target: None,
         }
     }
 

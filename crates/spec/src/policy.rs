@@ -123,10 +123,10 @@ pub struct CostModel {
     sy: f64,
     sxx: f64,
     sxy: f64,
-    draft_ms: [f64; 5],
-    draft_seen: [bool; 5],
-    acceptance: [Acceptance; 5],
-    cycles: [u64; 5],
+    draft_ms: [f64; DrafterKind::COUNT],
+    draft_seen: [bool; DrafterKind::COUNT],
+    acceptance: [Acceptance; DrafterKind::COUNT],
+    cycles: [u64; DrafterKind::COUNT],
     /// Plans since a costly drafter was last allowed (for probing).
     since_costly: u64,
 }
@@ -139,10 +139,10 @@ impl Default for CostModel {
             sy: 0.0,
             sxx: 0.0,
             sxy: 0.0,
-            draft_ms: [0.0; 5],
-            draft_seen: [false; 5],
-            acceptance: [Acceptance::default(); 5],
-            cycles: [0; 5],
+            draft_ms: [0.0; DrafterKind::COUNT],
+            draft_seen: [false; DrafterKind::COUNT],
+            acceptance: [Acceptance::default(); DrafterKind::COUNT],
+            cycles: [0; DrafterKind::COUNT],
             since_costly: 0,
         }
     }
@@ -293,7 +293,7 @@ pub enum Gate {
 pub struct SeqPolicy {
     misses: u32,
     pause_left: u32,
-    acceptance: [Acceptance; 5],
+    acceptance: [Acceptance; DrafterKind::COUNT],
     last_kind: Option<DrafterKind>,
     /// Consecutive steps the cost model withheld drafts (a probe follows
     /// [`COST_PROBE_EVERY`] of them, so the measurements can change its mind).

@@ -297,6 +297,7 @@ fn grammar_fast_forward_drafts_forced_tokens_and_matches_plain_decoding() {
             fast_forward: true,
             ngram: None,
             draft_model: None,
+            dspark: None,
         },
         PolicyConfig::default(),
     );
@@ -376,6 +377,7 @@ fn an_ngram_drafter_proposes_the_prompts_repeats() {
             fast_forward: false,
             ngram: Some(NgramConfig::default()),
             draft_model: None,
+            dspark: None,
         },
         PolicyConfig::always(4),
     );
