@@ -1,14 +1,18 @@
 //! CUDA speed and real-shape exactness probe:
 //!
 //! ```text
-//! cargo run --release -p lockstep-backend-cuda --features cuda --example cuda_bench -- MODEL.gguf [--check-cpu]
+//! cargo run --release -p lockstep-backend-cuda --features cuda --example cuda_bench -- MODEL.gguf [--check-cpu] [--unordered] [--profile]
 //! ```
 //!
 //! Prints pp512 and tg128 (tokens/s, medians of 3), the fraction of the HBM bound for
 //! decode (weight bytes per token over 4.3 TB/s, the copy bandwidth measured on this
 //! workplace's H200), the verify-cost curve t(M)/t(1) for M = 1..16 at a 512-token
 //! context, a G1 check at full shape (a 16-row verify block against 16 decode steps, bit
-//! for bit) and, with `--check-cpu`, the logits of a short prompt against the CPU model.
+//! for bit), with `--check-cpu` the logits of a short prompt against the CPU model, and with
+//! `--unordered` pp512 and tg128 again with the matmuls' block order left free (what the
+//! fixed order costs; those logits are not the canonical ones), and with `--profile` the
+//! kernels of one decode step (graphs off, a wait around each launch) at contexts 64 and
+//! 512, summed by kernel.
 
 use engine::{ForwardBackend, ForwardRow, KvSlot, ModelBackend};
 use gguf::GgufFile;
@@ -44,36 +48,15 @@ fn argmax(l: &[f32]) -> u32 {
     b as u32
 }
 
-fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let Some(path) = args.get(1) else {
-        eprintln!("usage: cuda_bench MODEL.gguf [--check-cpu]");
-        std::process::exit(2);
-    };
-    let check_cpu = args.iter().any(|a| a == "--check-cpu");
-    let g = Arc::new(GgufFile::open(path).expect("open model"));
-    let t0 = Instant::now();
-    let mut b =
-        lockstep_backend_cuda::load_backend(0, g.clone(), Some(4096)).expect("load on CUDA");
-    println!(
-        "loaded {path} on {} in {:.2} s (kernels from cache: {}); weight bytes {:.1} MB",
-        b.model().device().name(),
-        t0.elapsed().as_secs_f64(),
-        b.model().device().kernels_from_cache(),
-        b.model().weight_bytes() as f64 / 1e6
-    );
-    b.init_kv(8192).expect("kv");
-    let nv = b.n_vocab();
-    let prompt: Vec<u32> = (0..512u32).map(|i| (i * 7919 + 13) % nv as u32).collect();
+/// pp512: one forward of 512 rows, logits of the last (median of 3 after a warm-up).
+fn pp512(b: &mut lockstep_backend_cuda::CudaBackend, prompt: &[u32]) -> f64 {
     let mut logits = Vec::new();
-
-    // pp512: one forward of 512 rows, logits of the last.
     let mut pp = Vec::new();
     for rep in 0..4 {
         let s = b.kv_new();
         b.kv_prepare(s, 0, 512).expect("prepare");
         let t = Instant::now();
-        b.forward(&rows(s, 0, &prompt, false), &mut logits)
+        b.forward(&rows(s, 0, prompt, false), &mut logits)
             .expect("forward");
         let dt = t.elapsed().as_secs_f64();
         if rep > 0 {
@@ -81,10 +64,13 @@ fn main() {
         }
         b.kv_release(s);
     }
-    let pp_s = median(pp);
-    println!("pp512: {:.1} ms, {:.0} tokens/s", pp_s * 1e3, 512.0 / pp_s);
+    median(pp)
+}
 
-    // tg128: 128 greedy decode steps from an empty context.
+/// tg128: seconds per token over 128 greedy decode steps from an empty context (median
+/// of 3 after a warm-up).
+fn tg128(b: &mut lockstep_backend_cuda::CudaBackend) -> f64 {
+    let mut logits = Vec::new();
     let mut tg = Vec::new();
     for rep in 0..4 {
         let s = b.kv_new();
@@ -102,7 +88,37 @@ fn main() {
         }
         b.kv_release(s);
     }
-    let tg_s = median(tg) / 128.0;
+    median(tg) / 128.0
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let Some(path) = args.get(1) else {
+        eprintln!("usage: cuda_bench MODEL.gguf [--check-cpu] [--unordered] [--profile]");
+        std::process::exit(2);
+    };
+    let check_cpu = args.iter().any(|a| a == "--check-cpu");
+    let unordered = args.iter().any(|a| a == "--unordered");
+    let profile = args.iter().any(|a| a == "--profile");
+    let g = Arc::new(GgufFile::open(path).expect("open model"));
+    let t0 = Instant::now();
+    let mut b =
+        lockstep_backend_cuda::load_backend(0, g.clone(), Some(4096)).expect("load on CUDA");
+    println!(
+        "loaded {path} on {} in {:.2} s (kernels from cache: {}); weight bytes {:.1} MB",
+        b.model().device().name(),
+        t0.elapsed().as_secs_f64(),
+        b.model().device().kernels_from_cache(),
+        b.model().weight_bytes() as f64 / 1e6
+    );
+    b.init_kv(8192).expect("kv");
+    let nv = b.n_vocab();
+    let prompt: Vec<u32> = (0..512u32).map(|i| (i * 7919 + 13) % nv as u32).collect();
+    let mut logits = Vec::new();
+
+    let pp_s = pp512(&mut b, &prompt);
+    println!("pp512: {:.1} ms, {:.0} tokens/s", pp_s * 1e3, 512.0 / pp_s);
+    let tg_s = tg128(&mut b);
     let bound = b.model().weight_bytes() as f64 / HBM_BYTES_PER_S;
     println!(
         "tg128: {:.3} ms/token, {:.1} tokens/s; HBM bound {:.3} ms/token -> {:.1}% of the bound",
@@ -111,6 +127,75 @@ fn main() {
         bound * 1e3,
         100.0 * bound / tg_s
     );
+    if unordered {
+        // The same runs with the matmuls' block order left free, then back.
+        b.model().device().set_unordered_matmul(true);
+        let pp_u = pp512(&mut b, &prompt);
+        let tg_u = tg128(&mut b);
+        b.model().device().set_unordered_matmul(false);
+        let pp_o = pp512(&mut b, &prompt);
+        let tg_o = tg128(&mut b);
+        println!(
+            "fixed order vs unordered matmuls (same run, ordered measured again after): \
+             pp512 {:.1} / {:.1} ms (ordered costs {:+.1}%), tg128 {:.3} / {:.3} ms/token \
+             (ordered costs {:+.1}%)",
+            pp_o * 1e3,
+            pp_u * 1e3,
+            100.0 * (pp_o / pp_u - 1.0),
+            tg_o * 1e3,
+            tg_u * 1e3,
+            100.0 * (tg_o / tg_u - 1.0)
+        );
+    }
+
+    if profile {
+        for ctx in [64usize, 512] {
+            let s = b.kv_new();
+            b.kv_prepare(s, 0, ctx).expect("prepare");
+            b.forward(&rows(s, 0, &prompt[..ctx], false), &mut logits)
+                .expect("forward");
+            b.set_graphs(false);
+            b.kv_prepare(s, ctx, ctx + 1).expect("prepare");
+            b.forward(&rows(s, ctx, &[1], true), &mut logits)
+                .expect("forward");
+            b.kv_truncate(s, ctx);
+            b.model().device().set_profile(true);
+            b.kv_prepare(s, ctx, ctx + 1).expect("prepare");
+            let t = Instant::now();
+            b.forward(&rows(s, ctx, &[1], true), &mut logits)
+                .expect("forward");
+            let wall = t.elapsed().as_secs_f64();
+            let rec = b.model().device().take_profile();
+            b.model().device().set_profile(false);
+            b.set_graphs(true);
+            b.kv_release(s);
+            let mut by: Vec<(String, f64, usize)> = Vec::new();
+            for (name, dt) in rec {
+                match by.iter_mut().find(|e| e.0 == name) {
+                    Some(e) => {
+                        e.1 += dt;
+                        e.2 += 1;
+                    }
+                    None => by.push((name, dt, 1)),
+                }
+            }
+            by.sort_by(|a, c| c.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal));
+            let total: f64 = by.iter().map(|e| e.1).sum();
+            println!(
+                "profile of one decode step at context {ctx} (graphs off, waits around each \
+                 launch): {:.3} ms in kernels, {:.3} ms wall",
+                total * 1e3,
+                wall * 1e3
+            );
+            for (name, dt, n) in &by {
+                println!(
+                    "  {name:24} {n:4} launches {:8.1} us  ({:.1} us each)",
+                    dt * 1e6,
+                    dt * 1e6 / *n as f64
+                );
+            }
+        }
+    }
 
     // Verify-cost curve at a 512-token context.
     let s = b.kv_new();

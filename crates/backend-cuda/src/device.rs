@@ -65,6 +65,8 @@ pub struct Device {
     cc: (i32, i32),
     ordinal: usize,
     compile_cached: bool,
+    unordered: std::sync::atomic::AtomicBool,
+    profile: std::sync::Mutex<Option<Vec<(String, f64)>>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -115,6 +117,8 @@ const KERNELS: &[&str] = &[
     "add_bias",
     "swiglu",
     "rope",
+    "norm_quant",
+    "rope_kv",
     "kv_write",
     "copy_u16",
     "attention",
@@ -208,6 +212,13 @@ impl Device {
         let cc = ctx
             .compute_capability()
             .map_err(|e| drv("compute capability", e))?;
+        if cc < (8, 0) {
+            return Err(CudaError::Unavailable(format!(
+                "{name} has compute capability {}.{}; lockstep's CUDA kernels need 8.0 or \
+                 newer (Ampere, Ada, Hopper: they stage weights with cp.async)",
+                cc.0, cc.1
+            )));
+        }
         let arch = format!("--gpu-architecture=compute_{}{}", cc.0, cc.1);
         let mut h = Sha256::new();
         h.update(KERNEL_SOURCE.as_bytes());
@@ -256,7 +267,41 @@ impl Device {
             cc,
             ordinal,
             compile_cached,
+            unordered: std::sync::atomic::AtomicBool::new(false),
+            profile: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Benchmark hook: with `on`, quantized matmuls sum their blocks in an order of their own
+    /// (each lane group its blocks, then a tree) instead of the canonical block order, to
+    /// measure what the fixed order costs. Results then differ from the CPU's and depend on
+    /// the kernel; the engine never turns this on.
+    pub fn set_unordered_matmul(&self, on: bool) {
+        self.unordered
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Profiling hook: with `on`, every launch waits for the stream before and after and
+    /// records its kernel's name and wall time (host clock), so a step run without graphs
+    /// shows where its time goes. Slow; for `cuda_bench --profile` only.
+    pub fn set_profile(&self, on: bool) {
+        if let Ok(mut p) = self.profile.lock() {
+            *p = on.then(Vec::new);
+        }
+    }
+
+    /// The launches recorded since [`Device::set_profile`] turned profiling on (emptied).
+    pub fn take_profile(&self) -> Vec<(String, f64)> {
+        self.profile
+            .lock()
+            .ok()
+            .and_then(|mut p| p.as_mut().map(std::mem::take))
+            .unwrap_or_default()
+    }
+
+    /// Whether [`Device::set_unordered_matmul`] is on.
+    pub(crate) fn unordered_matmul(&self) -> bool {
+        self.unordered.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The device's name (`NVIDIA H200`).
@@ -384,6 +429,24 @@ impl Device {
         block: (u32, u32, u32),
         args: &[Arg],
     ) -> Result<(), CudaError> {
+        self.launch_smem(name, grid, block, 0, args)
+    }
+
+    /// Launches kernel `name` with `smem` bytes of dynamic shared memory (at most 48 KiB,
+    /// the amount every device grants without an opt-in).
+    pub(crate) fn launch_smem(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<(), CudaError> {
+        if smem > 48 * 1024 {
+            return Err(CudaError::Shape(format!(
+                "{name}: {smem} bytes of shared memory (at most 48 KiB)"
+            )));
+        }
         let f = self
             .funcs
             .get(name)
@@ -428,11 +491,27 @@ impl Device {
         let cfg = LaunchConfig {
             grid_dim: grid,
             block_dim: block,
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem,
+        };
+        let profiling = self.profile.lock().is_ok_and(|p| p.is_some());
+        let t0 = if profiling {
+            self.sync()?;
+            Some(std::time::Instant::now())
+        } else {
+            None
         };
         // SAFETY: every kernel's parameter list is the sequence of `args` given by the
         // typed wrappers in `ops.rs`, whose buffers are sized by the same wrappers.
         unsafe { b.launch(cfg) }.map_err(|e| drv(&format!("launching {name}"), e))?;
+        if let Some(t0) = t0 {
+            self.sync()?;
+            let dt = t0.elapsed().as_secs_f64();
+            if let Ok(mut p) = self.profile.lock()
+                && let Some(v) = p.as_mut()
+            {
+                v.push((name.to_string(), dt));
+            }
+        }
         Ok(())
     }
 }

@@ -7,7 +7,7 @@
 
 use crate::CudaError;
 use crate::device::{Arg, Buf, Device};
-use crate::ops::{DevActs, DevMatrix, i32_of, rope_tables};
+use crate::ops::{DevActs, DevMatrix, Epilogue, i32_of, rope_tables};
 use backend_cpu::{BlockAllocator, DEFAULT_BLOCK_SIZE, RopeTable};
 use cudarc::driver::CudaGraph;
 use engine::{BackendError, ForwardBackend, ForwardRow, KvSlot};
@@ -18,7 +18,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 /// Threads per attention CTA (`ATT_THREADS` in `kernels.cu`).
-const ATT_THREADS: u32 = 128;
+const ATT_THREADS: u32 = 256;
+/// Block sizes the attention kernel takes (`ATT_MAX_CHUNKS`, `MAX_BSZ` in `kernels.cu`).
+const ATT_BLOCK_SIZES: std::ops::RangeInclusive<usize> = 16..=256;
 /// Largest head size the attention kernel takes (`MAX_HEAD_DIM`).
 const MAX_HEAD_DIM: usize = 512;
 
@@ -109,6 +111,13 @@ impl CudaModel {
             return Err(CudaError::Unsupported(
                 "per-dimension RoPE frequency factors".into(),
             ));
+        }
+        if !cfg.head_dim.is_multiple_of(8) {
+            return Err(CudaError::Unsupported(format!(
+                "head size {} (the attention kernel copies rows in 16-byte pieces: a multiple \
+                 of 8)",
+                cfg.head_dim
+            )));
         }
         if cfg.head_dim > MAX_HEAD_DIM {
             return Err(CudaError::Unsupported(format!(
@@ -235,11 +244,9 @@ struct Scratch {
     acts: HashMap<(ActLayout, usize), DevActs>,
     logits: Buf<f32>,
     logit_rows: usize,
-    pos: Buf<i32>,
-    phys: Buf<i32>,
-    table_off: Buf<i32>,
-    tables: Buf<i32>,
-    tables_len: usize,
+    /// Row metadata, uploaded in one copy: positions (`rows`), the physical block each row
+    /// writes (`rows`), each row's offset into the block tables (`rows`), then the tables.
+    meta: Buf<i32>,
     generation: u64,
 }
 
@@ -267,11 +274,7 @@ impl Scratch {
             acts: HashMap::new(),
             logits: dev.zeros(cfg.n_vocab)?,
             logit_rows: 1,
-            pos: dev.zeros(rows)?,
-            phys: dev.zeros(rows)?,
-            table_off: dev.zeros(rows)?,
-            tables: dev.zeros(64)?,
-            tables_len: 64,
+            meta: dev.zeros(3 * rows + 64)?,
             generation: next_generation(),
         })
     }
@@ -316,6 +319,165 @@ fn mm(
     dev.matmul(w, x, acts.get(&(w.format.act_layout(), w.k)), out, m)
 }
 
+/// The activations of layout `layout` and row length `k` (made on first use).
+fn acts_for<'a>(
+    dev: &Device,
+    acts: &'a mut HashMap<(ActLayout, usize), DevActs>,
+    cap: usize,
+    layout: ActLayout,
+    k: usize,
+) -> Result<&'a mut DevActs, CudaError> {
+    Ok(match acts.entry((layout, k)) {
+        std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            v.insert(DevActs::new(dev, layout, k, cap)?)
+        }
+    })
+}
+
+/// RMSNorm of `m` rows of `x` into `xn`, and the activations every matrix of `ws` needs:
+/// the first quantized layout in the same launch as the norm, any other from `xn`.
+#[allow(clippy::too_many_arguments)]
+fn norm_for(
+    dev: &Device,
+    acts: &mut HashMap<(ActLayout, usize), DevActs>,
+    cap: usize,
+    ws: &[&DevMatrix],
+    x: &Buf<f32>,
+    w: &Buf<f32>,
+    xn: &mut Buf<f32>,
+    m: usize,
+    n: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    let first = ws
+        .iter()
+        .map(|w| w.format.act_layout())
+        .find(|&l| l != ActLayout::Float);
+    match first {
+        Some(layout) => {
+            let a = acts_for(dev, acts, cap, layout, n)?;
+            dev.norm_quant_at(x, 0, w, xn, 0, a, 0, m, eps)?;
+            let rest: Vec<&DevMatrix> = ws
+                .iter()
+                .copied()
+                .filter(|w| w.format.act_layout() != layout)
+                .collect();
+            quantize_for(dev, acts, cap, &rest, xn, m)
+        }
+        None => dev.rms_norm(x, w, xn, m, n, eps),
+    }
+}
+
+/// One projection of [`project`]: the matrix, its output, its optional bias.
+type ProjectJob<'a> = (&'a DevMatrix, &'a mut Buf<f32>, Option<&'a Buf<f32>>);
+
+/// `outs[i] = ws[i] · xn (+ bias)` over `m` rows: quantized matrices of one format share a
+/// launch; float ones run on their own, their bias added after.
+fn project(
+    dev: &Device,
+    acts: &HashMap<(ActLayout, usize), DevActs>,
+    xn: &Buf<f32>,
+    jobs: &mut [ProjectJob<'_>],
+    m: usize,
+) -> Result<(), CudaError> {
+    let mut done = vec![false; jobs.len()];
+    for i in 0..jobs.len() {
+        if done[i] {
+            continue;
+        }
+        let w = jobs[i].0;
+        if jobs[i].1.len() < m * w.n {
+            return Err(CudaError::Shape(format!(
+                "output for {} rows of {}",
+                m, w.n
+            )));
+        }
+        if w.format.is_float() {
+            let (w, out, b) = (jobs[i].0, &mut *jobs[i].1, jobs[i].2);
+            dev.matmul(w, xn, None, out, m)?;
+            if let Some(b) = b {
+                dev.add_bias(out, b, w.n, m * w.n)?;
+            }
+            done[i] = true;
+            continue;
+        }
+        let mut group: Vec<(&DevMatrix, u64, Option<&Buf<f32>>)> = Vec::new();
+        for (jd, job) in jobs.iter().enumerate().skip(i) {
+            if !done[jd] && job.0.format == w.format && job.0.k == w.k {
+                if job.1.len() < m * job.0.n {
+                    return Err(CudaError::Shape(format!(
+                        "output for {} rows of {}",
+                        m, job.0.n
+                    )));
+                }
+                group.push((job.0, dev.ptr(&*job.1, 0), job.2));
+                done[jd] = true;
+            }
+        }
+        let a = acts
+            .get(&(w.format.act_layout(), w.k))
+            .ok_or_else(|| CudaError::Shape("matmul without activations".into()))?;
+        dev.matmul_fused(&group, a, m, Epilogue::Store)?;
+    }
+    Ok(())
+}
+
+/// `x += w · input` over `m` rows (`proj` is scratch for float weights).
+fn residual(
+    dev: &Device,
+    acts: &HashMap<(ActLayout, usize), DevActs>,
+    w: &DevMatrix,
+    input: &Buf<f32>,
+    x: &mut Buf<f32>,
+    proj: &mut Buf<f32>,
+    m: usize,
+) -> Result<(), CudaError> {
+    if w.format.is_float() {
+        dev.matmul(w, input, None, proj, m)?;
+        return dev.add_in_place(x, proj, m * w.n);
+    }
+    if x.len() < m * w.n {
+        return Err(CudaError::Shape(format!(
+            "residual of {} rows of {}",
+            m, w.n
+        )));
+    }
+    let a = acts
+        .get(&(w.format.act_layout(), w.k))
+        .ok_or_else(|| CudaError::Shape("matmul without activations".into()))?;
+    let xp = dev.ptr(&*x, 0);
+    dev.matmul_fused(&[(w, xp, None)], a, m, Epilogue::Accumulate)
+}
+
+/// `g = silu(gate · xn) * (up · xn)` over `m` rows: one launch when both are quantized in
+/// one format.
+#[allow(clippy::too_many_arguments)]
+fn gate_up(
+    dev: &Device,
+    acts: &HashMap<(ActLayout, usize), DevActs>,
+    gate: &DevMatrix,
+    up: &DevMatrix,
+    xn: &Buf<f32>,
+    g: &mut Buf<f32>,
+    u: &mut Buf<f32>,
+    m: usize,
+) -> Result<(), CudaError> {
+    if !gate.format.is_float() && gate.format == up.format && gate.n == up.n && gate.k == up.k {
+        if g.len() < m * gate.n {
+            return Err(CudaError::Shape(format!("gate output of {} rows", m)));
+        }
+        let a = acts
+            .get(&(gate.format.act_layout(), gate.k))
+            .ok_or_else(|| CudaError::Shape("matmul without activations".into()))?;
+        let gp = dev.ptr(&*g, 0);
+        return dev.matmul_fused(&[(gate, gp, None), (up, 0, None)], a, m, Epilogue::SwiGlu);
+    }
+    mm(dev, acts, gate, xn, g, m)?;
+    mm(dev, acts, up, xn, u, m)?;
+    dev.swiglu(g, u, m * gate.n)
+}
+
 /// One sequence's KV blocks on the device.
 #[derive(Clone, Debug, Default)]
 struct Seq {
@@ -342,9 +504,16 @@ pub struct CudaBackend {
     free_slots: Vec<u32>,
     scratch: Option<Scratch>,
     use_graphs: bool,
-    graph: Option<(GraphKey, Graph)>,
-    warm_key: Option<GraphKey>,
+    /// Captured forwards by shape, least recently used first.
+    graphs: Vec<(GraphKey, Graph)>,
+    /// Shapes seen once (captured the next time they come).
+    warm_keys: Vec<GraphKey>,
 }
+
+/// Steps of at most this many rows run from captured graphs (decode, verify blocks).
+const GRAPH_MAX_ROWS: usize = 16;
+/// Captured shapes kept per backend.
+const GRAPH_CACHE: usize = 8;
 
 /// What a captured forward depends on: rows, the rows that want logits, and the
 /// generation of the scratch buffers (bumped whenever one is reallocated).
@@ -370,9 +539,18 @@ impl CudaBackend {
             free_slots: Vec::new(),
             scratch: None,
             use_graphs: std::env::var("LOCKSTEP_CUDA_GRAPHS").map_or(true, |v| v != "0"),
-            graph: None,
-            warm_key: None,
+            graphs: Vec::new(),
+            warm_keys: Vec::new(),
         }
+    }
+
+    /// Turns graph capture and replay on or off (on by default, or as
+    /// `LOCKSTEP_CUDA_GRAPHS=0` says); off runs every step's kernels one by one, which
+    /// `cuda_bench --profile` needs to time them. Results are the same either way.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.use_graphs = on;
+        self.graphs.clear();
+        self.warm_keys.clear();
     }
 
     /// The model.
@@ -573,17 +751,19 @@ impl CudaBackend {
             .scratch
             .as_mut()
             .ok_or_else(|| BackendError::Other("scratch".into()))?;
-        if s.tables_len < tables.len().max(1) {
-            s.tables = dev.zeros(tables.len().next_power_of_two()).map_err(be)?;
-            s.tables_len = tables.len().next_power_of_two();
+        let cap_rows = s.rows;
+        if s.meta.len() < 3 * cap_rows + tables.len() {
+            s.meta = dev
+                .zeros(3 * cap_rows + tables.len().next_power_of_two())
+                .map_err(be)?;
             s.generation = next_generation();
         }
-        if !tables.is_empty() {
-            dev.write(&tables, &mut s.tables).map_err(be)?;
-        }
-        dev.write(&pos, &mut s.pos).map_err(be)?;
-        dev.write(&phys, &mut s.phys).map_err(be)?;
-        dev.write(&toff, &mut s.table_off).map_err(be)?;
+        let mut meta = vec![0i32; 3 * cap_rows + tables.len()];
+        meta[..m].copy_from_slice(&pos);
+        meta[cap_rows..cap_rows + m].copy_from_slice(&phys);
+        meta[2 * cap_rows..2 * cap_rows + m].copy_from_slice(&toff);
+        meta[3 * cap_rows..].copy_from_slice(&tables);
+        dev.write(&meta, &mut s.meta).map_err(be)?;
         // Embedding rows, dequantized on the host from the mapped file.
         let model = &self.model;
         let embed = model
@@ -612,26 +792,36 @@ impl CudaBackend {
             s.logit_rows = nl;
             s.generation = next_generation();
         }
-        // Single-row steps (decode) replay a CUDA graph of the whole forward once one
-        // eager step of the same shape has run: the same kernels and arguments, one launch.
+        // Steps of up to GRAPH_MAX_ROWS rows (decode and verify blocks) replay a CUDA graph
+        // of the whole forward once one eager step of the same shape has run: the same
+        // kernels and arguments, one launch. A few shapes are kept, the least recently
+        // used dropped first.
         let key = (m, logit_rows.clone(), s.generation);
         let kv = &*kv;
-        if m == 1 && self.use_graphs {
-            let replay = matches!(&self.graph, Some((k, _)) if *k == key);
-            if replay {
-                if let Some((_, g)) = &self.graph {
-                    g.0.launch()
-                        .map_err(|e| be(CudaError::Driver(format!("graph launch: {e}"))))?;
+        if m <= GRAPH_MAX_ROWS && self.use_graphs {
+            if let Some(i) = self.graphs.iter().position(|(k, _)| *k == key) {
+                let entry = self.graphs.remove(i);
+                entry
+                    .1
+                    .0
+                    .launch()
+                    .map_err(|e| be(CudaError::Driver(format!("graph launch: {e}"))))?;
+                self.graphs.push(entry);
+            } else if let Some(i) = self.warm_keys.iter().position(|k| *k == key) {
+                self.warm_keys.remove(i);
+                if self.graphs.len() >= GRAPH_CACHE {
+                    self.graphs.remove(0);
                 }
-            } else if self.warm_key.as_ref() == Some(&key) {
-                self.graph = None;
                 let g = capture(dev, model, kv, s, m, &logit_rows).map_err(be)?;
                 g.0.launch()
                     .map_err(|e| be(CudaError::Driver(format!("graph launch: {e}"))))?;
-                self.graph = Some((key, g));
+                self.graphs.push((key, g));
             } else {
                 enqueue(dev, model, kv, s, m, &logit_rows).map_err(be)?;
-                self.warm_key = Some(key);
+                if self.warm_keys.len() >= GRAPH_CACHE {
+                    self.warm_keys.remove(0);
+                }
+                self.warm_keys.push(key);
             }
         } else {
             enqueue(dev, model, kv, s, m, &logit_rows).map_err(be)?;
@@ -658,13 +848,7 @@ fn enqueue(
     logit_rows: &[usize],
 ) -> Result<(), CudaError> {
     let cfg = &model.cfg;
-    let (e, f, qd, kvd, hd) = (
-        cfg.n_embd,
-        cfg.n_ff,
-        cfg.q_dim(),
-        cfg.kv_dim(),
-        cfg.head_dim,
-    );
+    let (e, hd) = (cfg.n_embd, cfg.head_dim);
     let cap = s.rows;
     let bsz = kv.bsz;
     let eps = cfg.rms_eps;
@@ -672,42 +856,57 @@ fn enqueue(
     let n_kv = cfg.n_head_kv;
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     for (li, l) in model.layers.iter().enumerate() {
-        // Attention block.
-        dev.rms_norm(&s.x, &l.attn_norm, &mut s.xn, m, e, eps)?;
-        quantize_for(dev, &mut s.acts, cap, &[&l.wq, &l.wk, &l.wv], &s.xn, m)?;
-        mm(dev, &s.acts, &l.wq, &s.xn, &mut s.q, m)?;
-        mm(dev, &s.acts, &l.wk, &s.xn, &mut s.k, m)?;
-        mm(dev, &s.acts, &l.wv, &s.xn, &mut s.v, m)?;
-        if let Some(b) = &l.bq {
-            dev.add_bias(&mut s.q, b, qd, m * qd)?;
-        }
-        if let Some(b) = &l.bk {
-            dev.add_bias(&mut s.k, b, kvd, m * kvd)?;
-        }
-        if let Some(b) = &l.bv {
-            dev.add_bias(&mut s.v, b, kvd, m * kvd)?;
-        }
-        dev.rope(
-            &mut s.q, &s.pos, &model.cos, &model.sin, m, qd, hd, cfg.n_rot, neox,
+        // Attention block: norm + quantize, the q/k/v projections with their biases, RoPE
+        // with the cache write, attention, the output projection added to the residual.
+        norm_for(
+            dev,
+            &mut s.acts,
+            cap,
+            &[&l.wq, &l.wk, &l.wv],
+            &s.x,
+            &l.attn_norm,
+            &mut s.xn,
+            m,
+            e,
+            eps,
         )?;
-        dev.rope(
-            &mut s.k, &s.pos, &model.cos, &model.sin, m, kvd, hd, cfg.n_rot, neox,
+        project(
+            dev,
+            &s.acts,
+            &s.xn,
+            &mut [
+                (&l.wq, &mut s.q, l.bq.as_ref()),
+                (&l.wk, &mut s.k, l.bk.as_ref()),
+                (&l.wv, &mut s.v, l.bv.as_ref()),
+            ],
+            m,
         )?;
-        let total = m * kvd;
+        let hp = hd / 2;
+        let per_row = (cfg.n_head + n_kv) * hp + n_kv * hd;
         dev.launch(
-            "kv_write",
-            (u32::try_from(total.div_ceil(256)).unwrap_or(u32::MAX), 1, 1),
+            "rope_kv",
+            (
+                u32::try_from((m * per_row).div_ceil(256)).unwrap_or(u32::MAX),
+                1,
+                1,
+            ),
             (256, 1, 1),
             &[
+                Arg::Ptr(dev.ptr(&s.q, 0)),
                 Arg::Ptr(dev.ptr(&s.k, 0)),
                 Arg::Ptr(dev.ptr(&s.v, 0)),
                 Arg::Ptr(dev.ptr(&kv.k[li], 0)),
                 Arg::Ptr(dev.ptr(&kv.v[li], 0)),
-                Arg::Ptr(dev.ptr(&s.pos, 0)),
-                Arg::Ptr(dev.ptr(&s.phys, 0)),
+                Arg::Ptr(dev.ptr(&s.meta, 0)),
+                Arg::Ptr(dev.ptr(&s.meta, s.rows)),
+                Arg::Ptr(dev.ptr(&model.cos, 0)),
+                Arg::Ptr(dev.ptr(&model.sin, 0)),
                 Arg::I32(m as i32),
+                Arg::I32(cfg.n_head as i32),
                 Arg::I32(n_kv as i32),
                 Arg::I32(hd as i32),
+                Arg::I32(cfg.n_rot as i32),
+                Arg::I32(i32::from(neox)),
                 Arg::I32(bsz as i32),
             ],
         )?;
@@ -720,9 +919,9 @@ fn enqueue(
                 Arg::Ptr(dev.ptr(&kv.k[li], 0)),
                 Arg::Ptr(dev.ptr(&kv.v[li], 0)),
                 Arg::Ptr(dev.ptr(&s.attn, 0)),
-                Arg::Ptr(dev.ptr(&s.pos, 0)),
-                Arg::Ptr(dev.ptr(&s.table_off, 0)),
-                Arg::Ptr(dev.ptr(&s.tables, 0)),
+                Arg::Ptr(dev.ptr(&s.meta, 0)),
+                Arg::Ptr(dev.ptr(&s.meta, 2 * s.rows)),
+                Arg::Ptr(dev.ptr(&s.meta, 3 * s.rows)),
                 Arg::I32(cfg.n_head as i32),
                 Arg::I32(n_kv as i32),
                 Arg::I32(hd as i32),
@@ -731,28 +930,61 @@ fn enqueue(
             ],
         )?;
         quantize_for(dev, &mut s.acts, cap, &[&l.wo], &s.attn, m)?;
-        mm(dev, &s.acts, &l.wo, &s.attn, &mut s.proj, m)?;
-        dev.add_in_place(&mut s.x, &s.proj, m * e)?;
-        // Feed-forward block.
-        dev.rms_norm(&s.x, &l.ffn_norm, &mut s.xn, m, e, eps)?;
-        quantize_for(dev, &mut s.acts, cap, &[&l.gate, &l.up], &s.xn, m)?;
-        mm(dev, &s.acts, &l.gate, &s.xn, &mut s.gate, m)?;
-        mm(dev, &s.acts, &l.up, &s.xn, &mut s.up, m)?;
-        dev.swiglu(&mut s.gate, &s.up, m * f)?;
+        residual(dev, &s.acts, &l.wo, &s.attn, &mut s.x, &mut s.proj, m)?;
+        // Feed-forward block: norm + quantize, gate and up with SwiGLU, down added to the
+        // residual.
+        norm_for(
+            dev,
+            &mut s.acts,
+            cap,
+            &[&l.gate, &l.up],
+            &s.x,
+            &l.ffn_norm,
+            &mut s.xn,
+            m,
+            e,
+            eps,
+        )?;
+        gate_up(
+            dev,
+            &s.acts,
+            &l.gate,
+            &l.up,
+            &s.xn,
+            &mut s.gate,
+            &mut s.up,
+            m,
+        )?;
         quantize_for(dev, &mut s.acts, cap, &[&l.down], &s.gate, m)?;
-        mm(dev, &s.acts, &l.down, &s.gate, &mut s.proj, m)?;
-        dev.add_in_place(&mut s.x, &s.proj, m * e)?;
+        residual(dev, &s.acts, &l.down, &s.gate, &mut s.x, &mut s.proj, m)?;
     }
     // Output head over the rows that want logits.
     let nl = logit_rows.len();
     if nl == 0 {
         return Ok(());
     }
-    for (i, &r) in logit_rows.iter().enumerate() {
-        dev.rms_norm_at(&s.x, r * e, &model.output_norm, &mut s.xn, i * e, 1, e, eps)?;
+    let out = &model.output;
+    if out.format.is_float() {
+        for (i, &r) in logit_rows.iter().enumerate() {
+            dev.rms_norm_at(&s.x, r * e, &model.output_norm, &mut s.xn, i * e, 1, e, eps)?;
+        }
+    } else {
+        let a = acts_for(dev, &mut s.acts, cap, out.format.act_layout(), e)?;
+        for (i, &r) in logit_rows.iter().enumerate() {
+            dev.norm_quant_at(
+                &s.x,
+                r * e,
+                &model.output_norm,
+                &mut s.xn,
+                i * e,
+                a,
+                i,
+                1,
+                eps,
+            )?;
+        }
     }
-    quantize_for(dev, &mut s.acts, cap, &[&model.output], &s.xn, nl)?;
-    mm(dev, &s.acts, &model.output, &s.xn, &mut s.logits, nl)?;
+    project(dev, &s.acts, &s.xn, &mut [(out, &mut s.logits, None)], nl)?;
     Ok(())
 }
 
@@ -801,13 +1033,18 @@ impl ForwardBackend for CudaBackend {
     }
 
     fn init_kv(&mut self, max_tokens: usize) -> Result<(), BackendError> {
-        self.graph = None;
-        self.warm_key = None;
+        self.graphs.clear();
+        self.warm_keys.clear();
         self.seqs.clear();
         self.free_slots.clear();
         self.kv = None;
         let cfg = &self.model.cfg;
         let bsz = DEFAULT_BLOCK_SIZE;
+        if !ATT_BLOCK_SIZES.contains(&bsz) {
+            return Err(BackendError::Other(format!(
+                "KV block size {bsz} outside the CUDA attention kernel's {ATT_BLOCK_SIZES:?}"
+            )));
+        }
         let n_blocks = max_tokens.div_ceil(bsz).max(1);
         let per_block = cfg.n_head_kv * bsz * cfg.head_dim;
         let mut k = Vec::with_capacity(cfg.n_layer);

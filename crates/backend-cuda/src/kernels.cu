@@ -12,7 +12,7 @@ typedef unsigned long long u64;
 
 // ---- numbers ------------------------------------------------------------------------
 
-__device__ __forceinline__ float f16_to_f32(u16 h) {
+__device__ __forceinline__ float f16_to_f32_soft(u16 h) {
     u32 sign = ((u32)(h & 0x8000)) << 16;
     u32 exp = (h >> 10) & 0x1f;
     u32 man = h & 0x03ff;
@@ -32,6 +32,15 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
         bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
     }
     return __uint_as_float(bits);
+}
+
+// f16 -> f32 by the hardware conversion (exact for every non-NaN value); NaNs keep the
+// software path's payload rule.
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    if ((h & 0x7c00u) == 0x7c00u && (h & 0x03ffu)) return f16_to_f32_soft(h);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
 }
 
 __device__ __forceinline__ u16 f32_to_f16(float x) {
@@ -267,129 +276,301 @@ template <int F> __device__ __forceinline__ float block_m(const u8* b) {
 // integer sums inside a block are exact, so lanes may split them freely; the float steps
 // across blocks run in block order, identically in every lane.
 //
-// Lanes: GL = 32 / G lanes per block, G blocks in flight; each lane covers BL / GL
-// consecutive elements of its block (inside one sub-block).
+// The warp first copies its weight row (in chunks that fit its share of shared memory)
+// with 16-byte asynchronous copies (cp.async), every copy of the chunk in flight at once,
+// then works from shared memory. Rows are read from 16 bytes below their start to 16
+// bytes past their end, rounded to 16-byte lines: device matrices carry 16 bytes of
+// padding after the last row (ops.rs).
+//
+// Lanes: GL lanes per block (4 for 32-value blocks, 8 for 256-value k-quant blocks), G =
+// 32 / GL blocks in flight; each lane covers EPL = BL / GL consecutive values of its
+// block, in segments of SEG values that share one sub-block scale.
+//
+// Launch modes (one kernel per format and row tile):
+//   0: up to three matrices of the same format and K in one launch (warps 0..n0 the
+//      first, then n1, then n2), each with its own output and optional bias:
+//      out = acc (+ bias[j]);
+//   1: one matrix whose result is added to the output: out = out + acc (the residual);
+//   2: a gate/up pair (w0, w1, both n0 rows) into o0: out = silu(gate) * up.
+// Each is the same arithmetic as the separate matmul, bias add, residual add and SwiGLU
+// of the CPU model, so fusing them changes no bit.
+//   + 4: unordered, for measuring what the fixed order costs (cuda_bench --unordered):
+//      each lane group sums its own blocks and the groups meet in a tree. Not the
+//      canonical order: never used by the engine.
 
-// MT: activation rows per warp (1 for single rows, 4 up to 8 rows, 16 beyond). Tiling over rows never
-// changes a row's arithmetic, so both give the same bits (tested).
-template <int F, int MT>
-__device__ __forceinline__ void matmul_q_impl(const u8* w, const i8* qs, const float* ad, float* out,
-                                              int n, int k, int m) {
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(void* s, const void* g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(s)), "l"(g) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+}
+
+// Queues the copy of bytes [src, src + len) into s (16-byte aligned); returns where src[0]
+// lands.
+__device__ __forceinline__ const u8* stage_issue(u8* s, const u8* src, int len, int lane) {
+    const u8* a0 = (const u8*)((size_t)src & ~(size_t)15);
+    int off = (int)(src - a0);
+    int n16 = (off + len + 15) >> 4;
+    for (int i = lane; i < n16; i += 32) cp_async16(s + 16 * i, a0 + 16 * i);
+    return s + off;
+}
+
+// Codes may come back shifted by a constant: codes4 returns code + OFF<F> in each byte
+// (all small and non-negative where OFF > 0), and the dot product subtracts OFF times the
+// activation sum, an exact integer identity.
+template <int F> struct Off { enum { V = 0 }; };
+template <> struct Off<F_Q4_0> { enum { V = 8 }; };
+template <> struct Off<F_Q6_K> { enum { V = 32 }; };
+
+__device__ __forceinline__ u32 ld_u32_2(const u8* p) {
+    const u16* q = (const u16*)p;
+    return (u32)q[0] | ((u32)q[1] << 16);
+}
+
+// Four consecutive codes (e a multiple of 4, inside one segment) packed as signed bytes.
+template <int F> __device__ __forceinline__ int codes4(const u8* b, int e) {
+    int c = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) c |= (code_at<F>(b, e + i) & 0xff) << (8 * i);
+    return c;
+}
+// Q4_K blocks sit 16-byte aligned in shared memory (144-byte blocks, rows of whole
+// blocks): one 4-byte load gives four codes.
+template <> __device__ __forceinline__ int codes4<F_Q4_K>(const u8* b, int e) {
+    u32 w = *(const u32*)(b + 16 + 32 * (e >> 6) + (e & 31));
+    return (int)((e & 32) ? ((w >> 4) & 0x0F0F0F0Fu) : (w & 0x0F0F0F0Fu));
+}
+// Q4_0 (18-byte blocks, 2-byte aligned): code + 8 is the nibble itself.
+template <> __device__ __forceinline__ int codes4<F_Q4_0>(const u8* b, int e) {
+    u32 w = ld_u32_2(b + 2 + (e & 15));
+    return (int)((e < 16 ? w : (w >> 4)) & 0x0F0F0F0Fu);
+}
+// Q6_K (210-byte blocks, 2-byte aligned): code + 32 is the 4 low bits from ql and the 2
+// high bits from qh (quant::blocks' layout, as code_at).
+template <> __device__ __forceinline__ int codes4<F_Q6_K>(const u8* b, int e) {
+    int h = e >> 7, quarter = (e >> 5) & 3, l = e & 31;
+    u32 lo = ld_u32_2(b + 64 * h + (quarter & 1) * 32 + l);
+    u32 hi = ld_u32_2(b + 128 + 32 * h + l);
+    u32 low = (quarter >> 1) ? ((lo >> 4) & 0x0F0F0F0Fu) : (lo & 0x0F0F0F0Fu);
+    return (int)(low | (((hi >> (2 * quarter)) & 0x03030303u) << 4));
+}
+// Q8_0 blocks are 2-byte aligned (34-byte blocks): two 2-byte loads.
+template <> __device__ __forceinline__ int codes4<F_Q8_0>(const u8* b, int e) {
+    const u16* p = (const u16*)(b + 2 + e);
+    return (int)((u32)p[0] | ((u32)p[1] << 16));
+}
+
+template <int F, int MT, int PAIR>
+__device__ __forceinline__ void matmul_q_impl(const u8* w0, const u8* w1, const u8* w2, int n0, int n1,
+                                              int n2, float* o0, float* o1, float* o2, const float* b0,
+                                              const float* b1, const float* b2, const i8* qs,
+                                              const float* ad, int k, int m, int mode, int sb, int sa) {
+    extern __shared__ __align__(16) u8 smem[];
     const int BL = Meta<F>::BL, BB = Meta<F>::BB, SL = Meta<F>::SL;
-    const int G = BL == 32 ? 4 : 1;
-    const int GL = 32 / G;
+    const int GL = BL == 32 ? 4 : 8;
+    const int G = 32 / GL;
     const int EPL = BL / GL;
-    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    int lane = threadIdx.x & 31;
-    if (warp >= n) return;
+    const int SEG = EPL < SL ? EPL : SL;
+    const int NSEG = EPL / SEG;
+    const bool MIN1 = F == F_Q4_1 || F == F_Q5_1;
+    const bool MINK = F == F_Q2_K || F == F_Q4_K || F == F_Q5_K;
+    int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int wi = blockIdx.x * (blockDim.x >> 5) + wib;
     int r0 = blockIdx.y * MT;
+    // Single rows (sa > 0): the CTA's warps share one activation row, staged in shared
+    // memory first (codes, then block scales), before any warp may leave.
+    const i8* sq = nullptr;
+    const float* sd = nullptr;
+    if (MT == 1 && sa > 0) {
+        int nbl = k / BL;
+        u8* sa_q = smem;
+        float* sa_d = (float*)(smem + ((k + 15) & ~15));
+        const u8* src = (const u8*)(qs + (size_t)r0 * k);
+        for (int i = threadIdx.x; i < k / 16; i += blockDim.x) cp_async16(sa_q + 16 * i, src + 16 * i);
+        for (int i = threadIdx.x; i < nbl; i += blockDim.x) sa_d[i] = ad[(size_t)r0 * nbl + i];
+        cp_async_wait_all();
+        __syncthreads();
+        sq = (const i8*)sa_q;
+        sd = sa_d;
+    }
+    const u8* w = w0;
+    float* out = o0;
+    const float* bias = b0;
+    int n = n0, j = wi;
+    if (PAIR) {
+        if (wi >= n0) return;
+    } else if (wi < n0) {
+    } else if (wi < n0 + n1) {
+        w = w1; out = o1; bias = b1; n = n1; j = wi - n0;
+    } else if (wi < n0 + n1 + n2) {
+        w = w2; out = o2; bias = b2; n = n2; j = wi - n0 - n1;
+    } else {
+        return;
+    }
     int nr = min(MT, m - r0);
     int nb = k / BL;
-    const u8* wrow = w + (size_t)warp * nb * BB;
+    const u8* wrow = w + (size_t)j * nb * BB;
+    const u8* urow = PAIR ? w1 + (size_t)j * nb * BB : wrow;
+    u8* sw = smem + sa + (size_t)wib * sb * (PAIR ? 2 : 1);
+    int cb = (sb - 32) / BB;
+    cb -= cb % G;
     int g = lane / GL, gl = lane % GL;
-    float acc[MT];
+    float acc[MT], acc2[MT];
 #pragma unroll
-    for (int r = 0; r < MT; r++) acc[r] = 0.0f;
-    // U rounds of G blocks per iteration: more loads in flight; the float steps still run
-    // block by block in order.
-    const int U = 2;
-    for (int b0 = 0; b0 < nb; b0 += G * U) {
-        int isum[U][MT], msum[U][MT];
-        float d[U], mm[U];
+    for (int r = 0; r < MT; r++) { acc[r] = 0.0f; acc2[r] = 0.0f; }
+    for (int c0 = 0; c0 < nb; c0 += cb) {
+        int cn = min(cb, nb - c0);
+        __syncwarp();
+        const u8* s0 = stage_issue(sw, wrow + (size_t)c0 * BB, cn * BB, lane);
+        const u8* s1 = PAIR ? stage_issue(sw + sb, urow + (size_t)c0 * BB, cn * BB, lane) : s0;
+        cp_async_wait_all();
+        __syncwarp();
+        for (int q0 = 0; q0 < cn; q0 += G) {
+            int qb = q0 + g;           // block inside the chunk
+            int b = c0 + qb;           // block inside the row
+            bool valid = qb < cn;
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            int b = b0 + u * G + g;
-            d[u] = 0.0f;
-            mm[u] = 0.0f;
+            for (int half = 0; half < (PAIR ? 2 : 1); half++) {
+                const u8* blk = (half ? s1 : s0) + (size_t)qb * BB;
+                int isum[MT], msum[MT];
 #pragma unroll
-            for (int r = 0; r < MT; r++) { isum[u][r] = 0; msum[u][r] = 0; }
-            if (b < nb) {
-                const u8* blk = wrow + (size_t)b * BB;
-                int e0 = gl * EPL;
-                int sc, mn;
-                sub_scale<F>(blk, e0 / SL, &sc, &mn);
-                // The lane's codes (all fit in i8), packed four to an int for dp4a.
-                int cw[EPL / 4];
+                for (int r = 0; r < MT; r++) { isum[r] = 0; msum[r] = 0; }
+                float d = 0.0f, mm = 0.0f;
+                if (valid) {
 #pragma unroll
-                for (int w4 = 0; w4 < EPL / 4; w4++) {
-                    int c = 0;
+                    for (int sg = 0; sg < NSEG; sg++) {
+                        int e0 = gl * EPL + sg * SEG;
+                        int sc, mn;
+                        sub_scale<F>(blk, e0 / SL, &sc, &mn);
+                        int cw[SEG / 4];
 #pragma unroll
-                    for (int i = 0; i < 4; i++) c |= (code_at<F>(blk, e0 + 4 * w4 + i) & 0xff) << (8 * i);
-                    cw[w4] = c;
-                }
+                        for (int w4 = 0; w4 < SEG / 4; w4++) cw[w4] = codes4<F>(blk, e0 + 4 * w4);
 #pragma unroll
-                for (int r = 0; r < MT; r++) {
-                    if (r < nr) {
-                        // 4-byte aligned: k and e0 are multiples of 4.
-                        const int* a4 = (const int*)(qs + (size_t)(r0 + r) * k + (size_t)b * BL + e0);
-                        int dot = 0, asum = 0;
+                        for (int r = 0; r < MT; r++) {
+                            if (r < nr) {
+                                // 4-byte aligned: k and e0 are multiples of 4.
+                                const int* a4 = (const int*)(sq ? sq + (size_t)b * BL + e0
+                                                                : qs + (size_t)(r0 + r) * k + (size_t)b * BL + e0);
+                                int dot = 0, asum = 0;
 #pragma unroll
-                        for (int w4 = 0; w4 < EPL / 4; w4++) {
-                            int av = a4[w4];
-                            dot = __dp4a(cw[w4], av, dot);
-                            asum = __dp4a(0x01010101, av, asum);
-                        }
-                        isum[u][r] = sc * dot;
-                        msum[u][r] = (F == F_Q4_1 || F == F_Q5_1) ? asum : mn * asum;
-                    }
-                }
-                d[u] = block_d<F>(blk);
-                mm[u] = block_m<F>(blk);
-            }
-        }
-        // Exact integer reductions inside each group of GL lanes.
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-#pragma unroll
-            for (int r = 0; r < MT; r++) {
-                for (int o = GL / 2; o > 0; o >>= 1) {
-                    isum[u][r] += __shfl_xor_sync(0xffffffffu, isum[u][r], o);
-                    msum[u][r] += __shfl_xor_sync(0xffffffffu, msum[u][r], o);
-                }
-            }
-        }
-        // The float steps, block by block in order; every lane gets every group's values.
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            for (int gg = 0; gg < G; gg++) {
-                int src = gg * GL;
-                int bb = b0 + u * G + gg;
-                float dg = __shfl_sync(0xffffffffu, d[u], src);
-                float mg = __shfl_sync(0xffffffffu, mm[u], src);
-#pragma unroll
-                for (int r = 0; r < MT; r++) {
-                    int is = __shfl_sync(0xffffffffu, isum[u][r], src);
-                    int ms = __shfl_sync(0xffffffffu, msum[u][r], src);
-                    if (bb < nb && r < nr) {
-                        float da = ad[(size_t)(r0 + r) * (k / BL) + bb];
-                        acc[r] = fmaf(__fmul_rn(dg, da), (float)is, acc[r]);
-                        if (F == F_Q4_1 || F == F_Q5_1) {
-                            acc[r] = fmaf(__fmul_rn(mg, da), (float)ms, acc[r]);
-                        } else if (F == F_Q2_K || F == F_Q4_K || F == F_Q5_K) {
-                            acc[r] = fmaf(-__fmul_rn(mg, da), (float)ms, acc[r]);
+                                for (int w4 = 0; w4 < SEG / 4; w4++) {
+                                    int av = a4[w4];
+                                    dot = __dp4a(cw[w4], av, dot);
+                                    asum = __dp4a(0x01010101, av, asum);
+                                }
+                                if (Off<F>::V) dot -= Off<F>::V * asum;
+                                isum[r] += sc * dot;
+                                msum[r] += MIN1 ? asum : mn * asum;
+                            }
                         }
                     }
+                    d = block_d<F>(blk);
+                    mm = block_m<F>(blk);
                 }
+                // Exact integer reductions inside each group of GL lanes.
+#pragma unroll
+                for (int r = 0; r < MT; r++) {
+#pragma unroll
+                    for (int o = GL / 2; o > 0; o >>= 1) {
+                        isum[r] += __shfl_xor_sync(0xffffffffu, isum[r], o);
+                        if (MIN1 || MINK) msum[r] += __shfl_xor_sync(0xffffffffu, msum[r], o);
+                    }
+                }
+                if (mode & 4) {
+                    // Unordered (benchmark only, see below): each group adds its own blocks.
+#pragma unroll
+                    for (int r = 0; r < MT; r++) {
+                        if (valid && r < nr) {
+                            float da = sd ? sd[b] : ad[(size_t)(r0 + r) * (k / BL) + b];
+                            float a = half ? acc2[r] : acc[r];
+                            a = fmaf(__fmul_rn(d, da), (float)isum[r], a);
+                            if (MIN1) {
+                                a = fmaf(__fmul_rn(mm, da), (float)msum[r], a);
+                            } else if (MINK) {
+                                a = fmaf(-__fmul_rn(mm, da), (float)msum[r], a);
+                            }
+                            if (half) acc2[r] = a; else acc[r] = a;
+                        }
+                    }
+                    continue;
+                }
+                // The float steps, block by block in order; every lane gets every group's values.
+#pragma unroll
+                for (int gg = 0; gg < G; gg++) {
+                    int src = gg * GL;
+                    int bb = b - g + gg;
+                    bool ok = q0 + gg < cn;
+                    float dg = __shfl_sync(0xffffffffu, d, src);
+                    float mg = __shfl_sync(0xffffffffu, mm, src);
+#pragma unroll
+                    for (int r = 0; r < MT; r++) {
+                        int is = __shfl_sync(0xffffffffu, isum[r], src);
+                        int ms = __shfl_sync(0xffffffffu, msum[r], src);
+                        if (ok && r < nr) {
+                            float da = sd ? sd[bb] : ad[(size_t)(r0 + r) * (k / BL) + bb];
+                            float a = half ? acc2[r] : acc[r];
+                            a = fmaf(__fmul_rn(dg, da), (float)is, a);
+                            if (MIN1) {
+                                a = fmaf(__fmul_rn(mg, da), (float)ms, a);
+                            } else if (MINK) {
+                                a = fmaf(-__fmul_rn(mg, da), (float)ms, a);
+                            }
+                            if (half) acc2[r] = a; else acc[r] = a;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if (mode & 4) {
+        // Unordered: the groups' partial sums meet in a tree, an order of their own.
+#pragma unroll
+        for (int r = 0; r < MT; r++) {
+#pragma unroll
+            for (int o = GL; o < 32; o <<= 1) {
+                acc[r] = __fadd_rn(acc[r], __shfl_xor_sync(0xffffffffu, acc[r], o));
+                acc2[r] = __fadd_rn(acc2[r], __shfl_xor_sync(0xffffffffu, acc2[r], o));
             }
         }
     }
     if (lane == 0) {
 #pragma unroll
-        for (int r = 0; r < MT; r++)
-            if (r < nr) out[(size_t)(r0 + r) * n + warp] = acc[r];
+        for (int r = 0; r < MT; r++) {
+            if (r < nr) {
+                float* o = out + (size_t)(r0 + r) * n + j;
+                float v = acc[r];
+                if (PAIR) {
+                    v = __fmul_rn(canon_silu(v), acc2[r]);
+                } else {
+                    if (bias) v = __fadd_rn(v, bias[j]);
+                    if ((mode & 3) == 1) v = __fadd_rn(*o, v);
+                }
+                *o = v;
+            }
+        }
     }
 }
 
-#define MATMUL(name, F) \
-    extern "C" __global__ void name(const u8* w, const i8* qs, const float* ad, float* out, int n, int k, int m) { \
-        matmul_q_impl<F, 4>(w, qs, ad, out, n, k, m); \
-    } \
-    extern "C" __global__ void name##_m1(const u8* w, const i8* qs, const float* ad, float* out, int n, int k, int m) { \
-        matmul_q_impl<F, 1>(w, qs, ad, out, n, k, m); \
-    } \
-    extern "C" __global__ void name##_m16(const u8* w, const i8* qs, const float* ad, float* out, int n, int k, int m) { \
-        matmul_q_impl<F, 16>(w, qs, ad, out, n, k, m); \
+#define MATMUL_ARGS const u8 *w0, const u8 *w1, const u8 *w2, int n0, int n1, int n2, float *o0, float *o1, \
+    float *o2, const float *b0, const float *b1, const float *b2, const i8 *qs, const float *ad, int k, int m, \
+    int mode, int sb, int sa
+#define MATMUL_PASS w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, qs, ad, k, m, mode, sb, sa
+#define MATMUL_TILE(name, F, MT) \
+    extern "C" __global__ void name(MATMUL_ARGS) { \
+        if ((mode & 3) == 2) matmul_q_impl<F, MT, 1>(MATMUL_PASS); \
+        else matmul_q_impl<F, MT, 0>(MATMUL_PASS); \
     }
+#define MATMUL(name, F) \
+    MATMUL_TILE(name, F, 4) \
+    MATMUL_TILE(name##_m1, F, 1) \
+    MATMUL_TILE(name##_m16, F, 16)
 MATMUL(matmul_q4_0, F_Q4_0)
 MATMUL(matmul_q4_1, F_Q4_1)
 MATMUL(matmul_q5_0, F_Q5_0)
@@ -448,6 +629,119 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     float mean = __fdiv_rn(ss, (float)n);
     float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
     for (int i = lane; i < n; i += 32) o[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+}
+
+// RMSNorm fused with the activation quantizer: grid (k / bl, rows), one warp per (block,
+// row). Every warp computes the row's sum of squares exactly as rms_norm does (so every
+// warp gets the same bits), writes its block of the normalized row to `out` and quantizes
+// it as quantize_acts does.
+//
+// With `staged` the warp first copies the row into dynamic shared memory (n floats, n a
+// multiple of 4), so the 16 lane chains below wait on no global load.
+extern "C" __global__ void norm_quant(const float* x, const float* w, float* out, int n, float eps,
+                                      int bl, i8* qs, float* d, int staged) {
+    extern __shared__ __align__(16) float s_row[];
+    int b = blockIdx.x, row = blockIdx.y, lane = threadIdx.x;
+    const float* xr = x + (size_t)row * n;
+    if (staged) {
+        for (int i = lane; i < n / 4; i += 32) cp_async16(s_row + 4 * i, xr + 4 * i);
+        cp_async_wait_all();
+        __syncwarp();
+        xr = s_row;
+    }
+    float l = 0.0f;
+    if (lane < 16) {
+        int i = lane;
+        for (; i + 16 * 7 < n; i += 16 * 8) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = xr[i + 16 * u];
+#pragma unroll
+            for (int u = 0; u < 8; u++) l = fmaf(v[u], v[u], l);
+        }
+        for (; i < n; i += 16) l = fmaf(xr[i], xr[i], l);
+    }
+    float ss = tree16(l);
+    ss = __shfl_sync(0xffffffffu, ss, 0);
+    float mean = __fdiv_rn(ss, (float)n);
+    float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+    float* o = out + (size_t)row * n + (size_t)b * bl;
+    const float* xb = xr + (size_t)b * bl;
+    const float* wb = w + (size_t)b * bl;
+    u32 amax = 0;
+    for (int i = lane; i < bl; i += 32) {
+        float v = __fmul_rn(__fmul_rn(xb[i], inv), wb[i]);
+        o[i] = v;
+        amax = max(amax, __float_as_uint(v) & 0x7fffffffu);
+    }
+    for (int s = 16; s > 0; s >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+    float a = __uint_as_float(amax);
+    float dd = __fdiv_rn(a, 127.0f);
+    float id = a == 0.0f ? 0.0f : __fdiv_rn(127.0f, a);
+    i8* qb = qs + (size_t)row * n + (size_t)b * bl;
+    for (int i = lane; i < bl; i += 32) {
+        float v = __fmul_rn(__fmul_rn(__fmul_rn(xb[i], inv), wb[i]), id);
+        v = v < 127.0f ? v : 127.0f;
+        v = v > -127.0f ? v : -127.0f;
+        qb[i] = (i8)(int)rintf(v);
+    }
+    if (lane == 0) d[(size_t)row * (n / bl) + b] = dd;
+}
+
+// RoPE of q and k fused with the KV-cache write: one thread per (row, head of q or k, pair
+// slot p < head_dim / 2). Slots below dims / 2 rotate their pair (as `rope`); the others
+// carry the unrotated tail. k heads and v go to the cache as f16 (as `kv_write`); q stays
+// in place.
+extern "C" __global__ void rope_kv(float* q, const float* k, const float* v, u16* kc, u16* vc,
+                                   const int* pos, const int* phys, const float* cos_t,
+                                   const float* sin_t, int rows, int n_head, int n_kv, int head_dim,
+                                   int dims, int neox, int bsz) {
+    int hp = head_dim / 2, half = dims / 2;
+    long t = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    long per_row = (long)(n_head + n_kv) * hp + (long)n_kv * head_dim;
+    if (t >= (long)rows * per_row) return;
+    int r = (int)(t / per_row);
+    int u = (int)(t % per_row);
+    int p = pos[r];
+    if (u >= (n_head + n_kv) * hp) {
+        // v: one element.
+        int c = u - (n_head + n_kv) * hp;
+        int h = c / head_dim, i = c % head_dim;
+        size_t dst = (((size_t)phys[r] * n_kv + h) * bsz + (p % bsz)) * head_dim + i;
+        vc[dst] = f32_to_f16(v[(size_t)r * n_kv * head_dim + c]);
+        return;
+    }
+    int h = u / hp, s = u % hp;
+    bool is_k = h >= n_head;
+    int kh = h - n_head;
+    float* hq = is_k ? nullptr : q + ((size_t)r * n_head + h) * head_dim;
+    const float* hk = is_k ? k + ((size_t)r * n_kv + kh) * head_dim : nullptr;
+    int a, b;
+    float x0, x1;
+    if (s < half) {
+        a = neox ? s : 2 * s;
+        b = neox ? s + half : 2 * s + 1;
+        const float* src = is_k ? hk : hq;
+        size_t pi = (size_t)p * half + s;
+        float c = cos_t[pi], sn = sin_t[pi];
+        float y0 = src[a], y1 = src[b];
+        x0 = __fsub_rn(__fmul_rn(y0, c), __fmul_rn(y1, sn));
+        x1 = __fadd_rn(__fmul_rn(y0, sn), __fmul_rn(y1, c));
+    } else {
+        a = dims + 2 * (s - half);
+        b = a + 1;
+        const float* src = is_k ? hk : hq;
+        x0 = src[a];
+        x1 = src[b];
+    }
+    if (is_k) {
+        size_t base = (((size_t)phys[r] * n_kv + kh) * bsz + (p % bsz)) * head_dim;
+        kc[base + a] = f32_to_f16(x0);
+        kc[base + b] = f32_to_f16(x1);
+    } else if (s < half) {
+        hq[a] = x0;
+        hq[b] = x1;
+    }
 }
 
 // x[i] += y[i]
@@ -515,104 +809,204 @@ extern "C" __global__ void copy_u16(u16* base, long src, long dst, long count) {
 }
 
 // Attention (backend_cpu::attention::attend_one): one CTA of ATT_THREADS threads per (row,
-// query head). Keys are visited in chunks that end at block boundaries, in position
-// order, with the online softmax written out exactly as on the CPU. Scores use canon's
-// 16-lane dot (16 threads per key) and tree16. Row r's block table is
-// tables[table_off[r] ..], its last position pos[r].
-#define ATT_THREADS 128
+// query head). Keys are visited in chunks that end at block boundaries, in position order,
+// with the CPU's online softmax; the work is split so that only the two sequential chains
+// (the running sum l and, per dimension, the V accumulator) run in order, while the rest
+// runs in parallel without changing a bit:
+//   1. the scores of a span of ATT_SPAN keys (16 threads per key, canon's 16-lane dot and
+//      tree16);
+//   2. each chunk's max (a max is exact in any order, NaN never wins as in the CPU fold;
+//      the sign of a zero max never reaches a result: it only enters s - m and m - m_new
+//      under exp, and equal maxima skip the rescale) and the running max after each chunk
+//      with its rescale factor, chunk by chunk in order (one thread);
+//   3. e[j] = exp(s[j] - m) with the running max of j's chunk;
+//   4. the chains, key by key in position order: thread ATT_THREADS - 1 runs l (rescaled
+//      where the max moved), threads below head_dim the V accumulators.
+// Row r's block table is tables[table_off[r] ..], its last position pos[r].
+#define ATT_THREADS 256
+#define ATT_SPAN 2048
 #define MAX_BSZ 256
 #define MAX_HEAD_DIM 512
+#define ATT_MAX_CHUNKS (ATT_SPAN / 16 + 2)
+// V rows are staged through a ring of ATT_VBUF shared buffers of ATT_VBYTES each,
+// ATT_VAHEAD units ahead of the chains (cp.async).
+#define ATT_VBUF 4
+#define ATT_VAHEAD 3
+#define ATT_VBYTES 8192
 extern "C" __global__ void attention(const float* q, const u16* kc, const u16* vc, float* out,
                                      const int* pos, const int* table_off, const int* tables,
                                      int n_head, int n_kv, int head_dim, int bsz, float scale) {
     __shared__ float s_q[MAX_HEAD_DIM];
-    __shared__ float s_s[MAX_BSZ];
-    __shared__ float s_alpha;
-    __shared__ float s_m;
-    __shared__ int s_rescale;
+    __shared__ float s_e[ATT_SPAN];
+    __shared__ float s_m[ATT_MAX_CHUNKS];
+    __shared__ float s_alpha[ATT_MAX_CHUNKS];
+    __shared__ int s_tab[ATT_MAX_CHUNKS];
+    __shared__ __align__(16) u16 s_v[ATT_VBUF][ATT_VBYTES / 2];
+    __shared__ float s_l;
     int r = blockIdx.x / n_head, h = blockIdx.x % n_head;
     int kvh = h / (n_head / n_kv);
     int t = threadIdx.x;
+    int warp = t >> 5, wl = t & 31;
     const float* qh = q + ((size_t)r * n_head + h) * head_dim;
     for (int i = t; i < head_dim; i += ATT_THREADS) s_q[i] = qh[i];
     float acc[MAX_HEAD_DIM / ATT_THREADS];
 #pragma unroll
     for (int c = 0; c < MAX_HEAD_DIM / ATT_THREADS; c++) acc[c] = 0.0f;
-    float m = __uint_as_float(0xff800000u);  // -inf (thread 0's copy is the real one)
-    float l = 0.0f;
+    float m = __uint_as_float(0xff800000u);  // -inf: the running max (thread 0's is used)
+    float l = 0.0f;                          // thread ATT_THREADS - 1's is used
     int p = pos[r];
     const int* tab = tables + table_off[r];
-    __syncthreads();
-    int start = 0;
-    while (start <= p) {
-        int b = start / bsz;
-        int end = min((b + 1) * bsz, p + 1);
-        int nk = end - start, off = start % bsz;
-        size_t base = (((size_t)tab[b] * n_kv + kvh) * bsz + off) * head_dim;
-        // Scores: 16 threads per key, ATT_THREADS / 16 keys at a time.
-        for (int j0 = 0; j0 < nk; j0 += ATT_THREADS / 16) {
-            int j = j0 + t / 16, lane = t % 16;
-            float part = 0.0f;
-            if (j < nk) {
-                const u16* kr = kc + base + (size_t)j * head_dim;
+    // Spans hold whole blocks.
+    int span = (ATT_SPAN / bsz) * bsz;
+    // Keys per staged V unit (units never cross a chunk).
+    int sk = min(bsz, ATT_VBYTES / (2 * head_dim));
+    int upc = (bsz + sk - 1) / sk;
+    int n16_row = head_dim / 8;  // 16-byte pieces per V row
+    for (int ps = 0; ps <= p; ps += span) {
+        int pe = min(ps + span, p + 1);
+        int nk = pe - ps;
+        int nc = (nk + bsz - 1) / bsz;
+        __syncthreads();
+        for (int c = t; c < nc; c += ATT_THREADS) s_tab[c] = tab[ps / bsz + c];
+        __syncthreads();
+        // 1. scores, four keys per 16-thread group at a time. The loop is uniform across
+        // the warp (tree16 shuffles need every lane).
+        {
+            int grp = t >> 4, lane = t & 15;
+            const int NG = ATT_THREADS / 16;
+            for (int j0 = 0; j0 < nk; j0 += 4 * NG) {
+                float part[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    int j = j0 + grp + u * NG;
+                    part[u] = 0.0f;
+                    if (j < nk) {
+                        const u16* kr = kc + (((size_t)s_tab[j / bsz] * n_kv + kvh) * bsz + (ps + j) % bsz) * head_dim;
+                        float pa = 0.0f;
 #pragma unroll 8
-                for (int i = lane; i < head_dim; i += 16) part = fmaf(s_q[i], f16_to_f32(kr[i]), part);
-            }
-            float sum = tree16(part);
-            if (lane == 0 && j < nk) s_s[j] = __fmul_rn(sum, scale);
-        }
-        __syncthreads();
-        // The chunk's running max, in position order (thread 0), and the rescale of the
-        // accumulators when it moved.
-        if (t == 0) {
-            float m_new = m;
-            for (int j = 0; j < nk; j++) m_new = s_s[j] > m_new ? s_s[j] : m_new;
-            s_rescale = 0;
-            if (m_new != m) {
-                float alpha = canon_exp(__fsub_rn(m, m_new));
-                l = __fmul_rn(l, alpha);
-                s_alpha = alpha;
-                s_rescale = 1;
-                m = m_new;
-            }
-            s_m = m;
-        }
-        __syncthreads();
-        // e[j] = exp(s[j] - m): independent per key.
-        float mc = s_m;
-        for (int j = t; j < nk; j += ATT_THREADS) s_s[j] = canon_exp(__fsub_rn(s_s[j], mc));
-        __syncthreads();
-        // l += e[j] in position order (thread 0) while every thread accumulates V.
-        if (t == 0)
-            for (int j = 0; j < nk; j++) l = __fadd_rn(l, s_s[j]);
-        int rescale = s_rescale;
-        float alpha = s_alpha;
-#pragma unroll
-        for (int c = 0; c < MAX_HEAD_DIM / ATT_THREADS; c++) {
-            int i = t + c * ATT_THREADS;
-            if (i < head_dim) {
-                float a = acc[c];
-                if (rescale) a = __fmul_rn(a, alpha);
-                const u16* vr = vc + base + i;
-                for (int j0 = 0; j0 < nk; j0 += 8) {
-                    float vv[8];
-#pragma unroll
-                    for (int u = 0; u < 8; u++)
-                        vv[u] = j0 + u < nk ? f16_to_f32(vr[(size_t)(j0 + u) * head_dim]) : 0.0f;
-#pragma unroll
-                    for (int u = 0; u < 8; u++)
-                        if (j0 + u < nk) a = fmaf(s_s[j0 + u], vv[u], a);
+                        for (int i = lane; i < head_dim; i += 16) pa = fmaf(s_q[i], f16_to_f32(kr[i]), pa);
+                        part[u] = pa;
+                    }
                 }
-                acc[c] = a;
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    int j = j0 + grp + u * NG;
+                    float sum = tree16(part[u]);
+                    if (lane == 0 && j < nk) s_e[j] = __fmul_rn(sum, scale);
+                }
             }
         }
         __syncthreads();
-        start = end;
+        // 2. chunk maxima (one warp per chunk), then the running max chunk by chunk.
+        for (int c = warp; c < nc; c += ATT_THREADS / 32) {
+            int a = c * bsz, e = min(a + bsz, nk);
+            float cm = __uint_as_float(0xff800000u);
+            for (int j = a + wl; j < e; j += 32) {
+                float x = s_e[j];
+                cm = x > cm ? x : cm;
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                float y = __shfl_xor_sync(0xffffffffu, cm, o);
+                cm = y > cm ? y : cm;
+            }
+            if (wl == 0) s_m[c] = cm;
+        }
+        __syncthreads();
+        if (t == 0) {
+            for (int c = 0; c < nc; c++) {
+                float cm = s_m[c];
+                float m_new = cm > m ? cm : m;
+                // alpha = exp(m - m_new), only where the max moved (NaN marks "unchanged").
+                float alpha = 0.0f;
+                int moved = m_new != m;
+                if (moved) alpha = canon_exp(__fsub_rn(m, m_new));
+                m = m_new;
+                s_m[c] = m;
+                s_alpha[c] = moved ? alpha : __uint_as_float(0x7fc00000u);
+            }
+        }
+        __syncthreads();
+        // 3. e[j] = exp(s[j] - m of j's chunk).
+        for (int j = t; j < nk; j += ATT_THREADS) s_e[j] = canon_exp(__fsub_rn(s_e[j], s_m[j / bsz]));
+        __syncthreads();
+        // 4. the chains, unit by unit (sk keys of one chunk), V staged ahead through the ring.
+        int nu = nc * upc;
+        for (int u = 0; u < ATT_VAHEAD; u++) {
+            if (u < nu) {
+                int c = u / upc, ks = c * bsz + (u % upc) * sk, ke = min(min(ks + sk, (c + 1) * bsz), nk);
+                if (ks < ke) {
+                    const u16* src = vc + (((size_t)s_tab[c] * n_kv + kvh) * bsz + (ks - c * bsz)) * head_dim;
+                    int n16 = (ke - ks) * n16_row;
+                    for (int i = t; i < n16; i += ATT_THREADS) cp_async16(&s_v[u % ATT_VBUF][8 * i], src + 8 * i);
+                }
+            }
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        }
+        for (int u = 0; u < nu; u++) {
+            asm volatile("cp.async.wait_group 2;" ::: "memory");  // ATT_VAHEAD - 1
+            __syncthreads();
+            {
+                int un = u + ATT_VAHEAD;
+                if (un < nu) {
+                    int c = un / upc, ks = c * bsz + (un % upc) * sk, ke = min(min(ks + sk, (c + 1) * bsz), nk);
+                    if (ks < ke) {
+                        const u16* src = vc + (((size_t)s_tab[c] * n_kv + kvh) * bsz + (ks - c * bsz)) * head_dim;
+                        int n16 = (ke - ks) * n16_row;
+                        for (int i = t; i < n16; i += ATT_THREADS) cp_async16(&s_v[un % ATT_VBUF][8 * i], src + 8 * i);
+                    }
+                }
+                asm volatile("cp.async.commit_group;" ::: "memory");
+            }
+            int c = u / upc, first = (u % upc) == 0;
+            int ks = c * bsz + (u % upc) * sk, ke = min(min(ks + sk, (c + 1) * bsz), nk);
+            const u16* sv = s_v[u % ATT_VBUF];
+            if (t == ATT_THREADS - 1) {
+                if (first) {
+                    float al = s_alpha[c];
+                    if (al == al) l = __fmul_rn(l, al);
+                }
+                int j = ks;
+                for (; j + 8 <= ke; j += 8) {
+                    float ev[8];
+#pragma unroll
+                    for (int u = 0; u < 8; u++) ev[u] = s_e[j + u];
+#pragma unroll
+                    for (int u = 0; u < 8; u++) l = __fadd_rn(l, ev[u]);
+                }
+                for (; j < ke; j++) l = __fadd_rn(l, s_e[j]);
+            }
+#pragma unroll
+            for (int cc = 0; cc < MAX_HEAD_DIM / ATT_THREADS; cc++) {
+                int i = t + cc * ATT_THREADS;
+                if (i < head_dim) {
+                    float av = acc[cc];
+                    if (first) {
+                        float al = s_alpha[c];
+                        if (al == al) av = __fmul_rn(av, al);
+                    }
+                    // Loads first, then the chain in key order.
+                    int j = ks;
+                    for (; j + 8 <= ke; j += 8) {
+                        float ev[8], vv[8];
+#pragma unroll
+                        for (int u = 0; u < 8; u++) {
+                            ev[u] = s_e[j + u];
+                            vv[u] = f16_to_f32(sv[(j + u - ks) * head_dim + i]);
+                        }
+#pragma unroll
+                        for (int u = 0; u < 8; u++) av = fmaf(ev[u], vv[u], av);
+                    }
+                    for (; j < ke; j++) av = fmaf(s_e[j], f16_to_f32(sv[(j - ks) * head_dim + i]), av);
+                    acc[cc] = av;
+                }
+            }
+        }
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
     }
-    __shared__ float s_inv;
-    if (t == 0) s_inv = __fdiv_rn(1.0f, l);
     __syncthreads();
-    float inv = s_inv;
+    if (t == ATT_THREADS - 1) s_l = __fdiv_rn(1.0f, l);
+    __syncthreads();
+    float inv = s_l;
     float* o = out + ((size_t)r * n_head + h) * head_dim;
 #pragma unroll
     for (int c = 0; c < MAX_HEAD_DIM / ATT_THREADS; c++) {

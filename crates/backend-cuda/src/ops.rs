@@ -28,14 +28,59 @@ pub struct DevMatrix {
     pub n: usize,
     /// Values per row.
     pub k: usize,
+    bytes: usize,
     data: Buf<u8>,
 }
 
 impl DevMatrix {
-    /// Bytes on the device.
+    /// Bytes of the matrix on the device (its GGUF bytes; the padding not counted).
     pub fn n_bytes(&self) -> usize {
-        self.data.len()
+        self.bytes
     }
+}
+
+/// Bytes of padding after a matrix's last row: the matmul kernels copy rows in aligned
+/// 16-byte lines, up to 15 bytes past a row's end.
+const MATRIX_PAD: usize = 16;
+
+/// Warps (output columns) per matmul CTA.
+const MM_WARPS: usize = 4;
+
+/// Most shared memory one warp stages per matrix (bytes); a longer row is staged in chunks.
+const MM_STAGE_CAP: usize = 6144;
+
+/// Shared memory a matmul CTA may use (bytes): what every device grants without an opt-in.
+const MM_SMEM: usize = 48 * 1024;
+
+/// How a matmul launch combines its result with the output (`mode` in `kernels.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Epilogue {
+    /// `out = acc (+ bias)`, up to three matrices of one format in one launch.
+    Store,
+    /// `out = out + acc`: the residual add.
+    Accumulate,
+    /// `out = silu(acc of the first) * acc of the second`: gate and up.
+    SwiGlu,
+}
+
+/// Bytes per weight block and blocks in flight per warp (`Meta::BB` and `G` in
+/// `kernels.cu`) of a quantized format.
+fn block_geometry(f: Format) -> (usize, usize) {
+    let bb = match f {
+        Format::Q4_0 => 18,
+        Format::Q4_1 => 20,
+        Format::Q5_0 => 22,
+        Format::Q5_1 => 24,
+        Format::Q8_0 => 34,
+        Format::Q2_K => 84,
+        Format::Q3_K => 110,
+        Format::Q4_K => 144,
+        Format::Q5_K => 176,
+        Format::Q6_K => 210,
+        _ => 0,
+    };
+    let g = if f.block_len() == 32 { 8 } else { 4 };
+    (bb, g)
 }
 
 /// The kernel for a weight format, or an error for formats without a CUDA kernel.
@@ -115,11 +160,14 @@ impl Device {
                 bytes.len()
             )));
         }
+        let mut data = self.zeros::<u8>(bytes.len() + MATRIX_PAD)?;
+        self.write(bytes, &mut data)?;
         Ok(DevMatrix {
             format,
             n,
             k,
-            data: self.upload(bytes)?,
+            bytes: bytes.len(),
+            data,
         })
     }
 
@@ -201,34 +249,176 @@ impl Device {
         }
         let acts =
             acts.ok_or_else(|| CudaError::Shape("quantized matmul without activations".into()))?;
+        let o = self.ptr(out, 0);
+        self.matmul_fused(&[(w, o, None)], acts, m, Epilogue::Store)
+    }
+
+    /// Quantized matmuls of one format and K over the same activation rows in one launch,
+    /// each `(matrix, output address, bias)`, combined by `epi` (see [`Epilogue`]). The
+    /// caller has checked every output's size (at least `m × n` values each).
+    pub(crate) fn matmul_fused(
+        &self,
+        ws: &[(&DevMatrix, u64, Option<&Buf<f32>>)],
+        acts: &DevActs,
+        m: usize,
+        epi: Epilogue,
+    ) -> Result<(), CudaError> {
+        let Some(&(w, _, _)) = ws.first() else {
+            return Ok(());
+        };
+        let want = match epi {
+            Epilogue::Store => 1..=3,
+            Epilogue::Accumulate => 1..=1,
+            Epilogue::SwiGlu => 2..=2,
+        };
+        if !want.contains(&ws.len()) {
+            return Err(CudaError::Shape(format!(
+                "{} matrices for a {epi:?} matmul",
+                ws.len()
+            )));
+        }
+        for &(x, _, b) in ws {
+            if x.format != w.format || x.k != w.k || (epi == Epilogue::SwiGlu && x.n != w.n) {
+                return Err(CudaError::Shape(format!(
+                    "fused matmul over {} {}×{} and {} {}×{}",
+                    w.format, w.n, w.k, x.format, x.n, x.k
+                )));
+            }
+            if b.is_some_and(|b| b.len() < x.n) {
+                return Err(CudaError::Shape(format!("bias shorter than {}", x.n)));
+            }
+        }
+        if w.format.is_float() {
+            return Err(CudaError::Shape("fused matmul over float weights".into()));
+        }
         if acts.layout != w.format.act_layout() || acts.k != w.k || m > acts.cap {
             return Err(CudaError::Shape(format!(
                 "activations {:?}×{} (room {}) for {} weights of k {} over {m} rows",
                 acts.layout, acts.k, acts.cap, w.format, w.k
             )));
         }
+        let kernel = matmul_kernel(w.format)?;
         // Row tiling by batch size: 1, 4 or 16 rows per warp (the same arithmetic per row).
         let (name, mt) = match m {
             1 => (format!("{kernel}_m1"), 1),
             2..=8 => (kernel.to_string(), MT),
             _ => (format!("{kernel}_m16"), 16),
         };
-        self.launch(
+        let (bb, g) = block_geometry(w.format);
+        let nbl = w.k / w.format.block_len();
+        let row_bytes = nbl * bb;
+        let pair = epi == Epilogue::SwiGlu;
+        let per_warp = if pair { 2 } else { 1 };
+        let sb_min = (g * bb + 32).div_ceil(16) * 16;
+        // Single rows stage the shared activation row too (codes, then scales), when it
+        // leaves room for the weights.
+        let mut sa = if mt == 1 {
+            w.k.div_ceil(16) * 16 + (nbl * 4).div_ceil(16) * 16
+        } else {
+            0
+        };
+        if sa + MM_WARPS * per_warp * sb_min > MM_SMEM {
+            sa = 0;
+        }
+        let room = (MM_SMEM - sa) / (MM_WARPS * per_warp) / 16 * 16;
+        let sb = (row_bytes.div_ceil(16) * 16 + 32)
+            .min(MM_STAGE_CAP)
+            .min(room)
+            .max(sb_min);
+        let smem = sa + MM_WARPS * sb * per_warp;
+        let warps = if pair {
+            w.n
+        } else {
+            ws.iter().map(|x| x.0.n).sum()
+        };
+        let at = |i: usize| ws.get(i);
+        let wp = |i: usize| at(i).map_or(0, |x| self.ptr(&x.0.data, 0));
+        let np = |i: usize| at(i).map_or(0, |x| x.0.n);
+        let op = |i: usize| at(i).map_or(0, |x| x.1);
+        let bp = |i: usize| at(i).and_then(|x| x.2).map_or(0, |b| self.ptr(b, 0));
+        let mode = match epi {
+            Epilogue::Store => 0,
+            Epilogue::Accumulate => 1,
+            Epilogue::SwiGlu => 2,
+        } | if self.unordered_matmul() { 4 } else { 0 };
+        self.launch_smem(
             &name,
             (
-                blocks(w.n, 4),
+                blocks(warps, MM_WARPS as u32),
                 u32::try_from(m.div_ceil(mt)).unwrap_or(u32::MAX),
                 1,
             ),
-            (128, 1, 1),
+            ((MM_WARPS * 32) as u32, 1, 1),
+            u32::try_from(smem).unwrap_or(u32::MAX),
             &[
-                Arg::Ptr(self.ptr(&w.data, 0)),
+                Arg::Ptr(wp(0)),
+                Arg::Ptr(wp(1)),
+                Arg::Ptr(wp(2)),
+                Arg::I32(i32_of("n", np(0))?),
+                Arg::I32(i32_of("n", np(1))?),
+                Arg::I32(i32_of("n", np(2))?),
+                Arg::Ptr(op(0)),
+                Arg::Ptr(op(1)),
+                Arg::Ptr(op(2)),
+                Arg::Ptr(bp(0)),
+                Arg::Ptr(bp(1)),
+                Arg::Ptr(bp(2)),
                 Arg::Ptr(self.ptr(&acts.qs, 0)),
                 Arg::Ptr(self.ptr(&acts.d, 0)),
-                Arg::Ptr(self.ptr(out, 0)),
-                Arg::I32(n),
-                Arg::I32(k),
-                Arg::I32(mi),
+                Arg::I32(i32_of("k", w.k)?),
+                Arg::I32(i32_of("m", m)?),
+                Arg::I32(mode),
+                Arg::I32(i32_of("stage", sb)?),
+                Arg::I32(i32_of("stage", sa)?),
+            ],
+        )
+    }
+
+    /// RMSNorm of `rows` rows of `x` (from element `x_off`) into `out` (from `out_off`)
+    /// fused with the activation quantizer into `acts` rows `act_row..`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn norm_quant_at(
+        &self,
+        x: &Buf<f32>,
+        x_off: usize,
+        w: &Buf<f32>,
+        out: &mut Buf<f32>,
+        out_off: usize,
+        acts: &mut DevActs,
+        act_row: usize,
+        rows: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let n = acts.k;
+        let bl = acts.layout.block_len();
+        if x_off + rows * n > x.len()
+            || out_off + rows * n > out.len()
+            || w.len() < n
+            || act_row + rows > acts.cap
+        {
+            return Err(CudaError::Shape(format!("norm_quant {rows}×{n}")));
+        }
+        // The row goes through shared memory when it fits and rows are 16-byte aligned.
+        let staged = n.is_multiple_of(4) && x_off.is_multiple_of(4) && n * 4 <= MM_SMEM;
+        self.launch_smem(
+            "norm_quant",
+            (
+                blocks(n, bl as u32),
+                u32::try_from(rows).unwrap_or(u32::MAX),
+                1,
+            ),
+            (32, 1, 1),
+            if staged { (n * 4) as u32 } else { 0 },
+            &[
+                Arg::Ptr(self.ptr(x, x_off)),
+                Arg::Ptr(self.ptr(w, 0)),
+                Arg::Ptr(self.ptr(out, out_off)),
+                Arg::I32(i32_of("n", n)?),
+                Arg::F32(eps),
+                Arg::I32(i32_of("block", bl)?),
+                Arg::Ptr(self.ptr(&acts.qs, act_row * n)),
+                Arg::Ptr(self.ptr(&acts.d, act_row * (n / bl))),
+                Arg::I32(i32::from(staged)),
             ],
         )
     }

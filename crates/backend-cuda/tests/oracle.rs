@@ -104,6 +104,9 @@ fn matmul_matches_cpu_bit_for_bit_over_formats_and_shapes() {
         (16, 2304, 5),
         (48, 2304, 12),
         (5, 1536, 40),
+        // Rows longer than one warp's staging buffer (6 KiB): staged in chunks.
+        (9, 8960, 1),
+        (5, 8960, 18),
     ];
     for (fi, &format) in FORMATS.iter().enumerate() {
         for (si, &(n, k, m)) in shapes.iter().enumerate() {
