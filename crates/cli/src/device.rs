@@ -52,17 +52,6 @@ impl std::fmt::Display for DeviceArg {
     }
 }
 
-/// For commands that run on the CPU only: an error when CUDA was asked for explicitly.
-pub fn cpu_only(args: &ModelArgs, command: &str) -> anyhow::Result<()> {
-    if let DeviceArg::Cuda(_) = args.device {
-        bail!(
-            "`lockstep {command}` runs on the CPU only for now; drop --device {}",
-            args.device
-        );
-    }
-    Ok(())
-}
-
 /// What [`backend`] loaded.
 pub struct Loaded {
     /// The engine backend.
@@ -73,6 +62,8 @@ pub struct Loaded {
     pub n_vocab: usize,
     /// The DSpark block drafter, when one was asked for.
     pub dspark: Option<Arc<spec::DsparkDraft>>,
+    /// Where the forward runs: `cuda:N`, or the CPU kernel set's name.
+    pub device_name: String,
 }
 
 /// The engine backend for `args`: the model loaded on the chosen device, and with `dspark`
@@ -110,6 +101,7 @@ pub fn backend(
             n_ctx,
             n_vocab,
             dspark: draft,
+            device_name: quant::kernels().name().to_string(),
         });
     }
     if let Some(path) = dspark {
@@ -132,6 +124,7 @@ pub fn backend(
                     n_ctx,
                     n_vocab,
                     dspark: None,
+                    device_name: format!("cuda:{ordinal}"),
                 });
             }
             Err(e) if explicit => {
@@ -151,6 +144,7 @@ pub fn backend(
         n_ctx,
         n_vocab,
         dspark: None,
+        device_name: quant::kernels().name().to_string(),
     })
 }
 

@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Args;
 
 use crate::args::ModelArgs;
+use crate::device::DeviceArg;
 use crate::load;
 use crate::spec_args::{SpecArgs, SpecReport};
 
@@ -73,7 +74,6 @@ pub struct ServeArgs {
 
 /// Loads the model and serves until Ctrl-C or SIGTERM.
 pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
-    crate::device::cpu_only(&args.model, "serve")?;
     let path = load::resolve_model_path(&args.model.model)?;
     let name = load::display_name(&args.model.model, &path);
     let gguf = load::open_gguf(&path)?;
@@ -110,11 +110,23 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
             None,
         )?;
     }
-    drop(gguf);
-    let model = Arc::new(
+    // The CPU unless a GPU was asked for or `auto` finds one (device::backend says which).
+    let on_gpu_maybe = match args.model.device {
+        DeviceArg::Cpu => false,
+        DeviceArg::Cuda(_) => true,
+        DeviceArg::Auto => backend_cuda::cuda_built(),
+    };
+    let served = if on_gpu_maybe {
+        let mut margs = args.model.clone();
+        margs.ctx_size = Some(n_ctx);
+        let loaded = crate::device::backend(&gguf, &margs, &name, None)?;
+        drop(gguf);
+        server::ServedModel::load_with_backend(&path, &opts, loaded.backend, &loaded.device_name)
+    } else {
+        drop(gguf);
         server::ServedModel::load(&path, &opts)
-            .with_context(|| format!("loading {}", path.display()))?,
-    );
+    };
+    let model = Arc::new(served.with_context(|| format!("loading {}", path.display()))?);
     let config = server::ServerConfig {
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         body_limit: args.body_limit_mib as usize * 1024 * 1024,

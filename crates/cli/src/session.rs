@@ -94,6 +94,7 @@ impl Session {
             n_ctx,
             n_vocab,
             dspark,
+            ..
         } = crate::device::backend(&gguf, args, &name, dspark_path)?;
         let block = backend_cpu::DEFAULT_BLOCK_SIZE;
         let cfg = EngineConfig {

@@ -113,3 +113,28 @@ fn help_names_the_subcommands_and_the_environment() -> TestResult {
     }
     Ok(())
 }
+
+// Built with `--features cuda` the same command would serve on a GPU that is there.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn serve_on_cuda_without_a_usable_gpu_is_a_clear_error_and_serves_nothing() -> TestResult {
+    // A build without CUDA: `--device cuda` must fail at load with the reason, not fall
+    // back to the CPU or start listening.
+    let path = hub::ensure_model("smollm2-135m")?;
+    let root = hub::cache_root()?;
+    let model = path.display().to_string();
+    let out = lockstep(
+        &root,
+        &["serve", "-m", &model, "--device", "cuda", "--port", "0"],
+    )?;
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("--device cuda:0"), "{err}");
+    assert!(err.contains("built without CUDA support"), "{err}");
+    assert!(
+        !text(&out.stdout).contains("serving"),
+        "{}",
+        text(&out.stdout)
+    );
+    Ok(())
+}

@@ -124,8 +124,28 @@ impl std::fmt::Debug for ServedModel {
 }
 
 impl ServedModel {
-    /// Loads the GGUF at `path` and starts the engine.
+    /// Loads the GGUF at `path` on the CPU and starts the engine.
     pub fn load(path: &Path, opts: &ModelOptions) -> Result<ServedModel, LoadError> {
+        ServedModel::load_on(path, opts, None)
+    }
+
+    /// Like [`ServedModel::load`], but the engine runs on `backend` (a model the caller
+    /// loaded from the same file, on another device) named `backend_name` in the
+    /// fingerprint. Its context must hold the served context.
+    pub fn load_with_backend(
+        path: &Path,
+        opts: &ModelOptions,
+        backend: Box<dyn ForwardBackend>,
+        backend_name: &str,
+    ) -> Result<ServedModel, LoadError> {
+        ServedModel::load_on(path, opts, Some((backend, backend_name)))
+    }
+
+    fn load_on(
+        path: &Path,
+        opts: &ModelOptions,
+        given: Option<(Box<dyn ForwardBackend>, &str)>,
+    ) -> Result<ServedModel, LoadError> {
         if opts.max_seqs == 0 || opts.queue_capacity == 0 {
             return Err(LoadError::Options(
                 "--max-seqs and the queue capacity must be at least 1".into(),
@@ -155,12 +175,30 @@ impl ServedModel {
             kv_type: opts.kv_type,
             n_ctx: Some(n_ctx),
         };
-        let backend: Box<dyn ForwardBackend> = if file.architecture().ok() == Some("deepseek4") {
-            let model = model::Deepseek4::load(Arc::clone(&file), &load_opts)?;
-            Box::new(Deepseek4Backend::new(Arc::new(model)))
-        } else {
-            let model = model::Model::load(Arc::clone(&file), &load_opts)?;
-            Box::new(ModelBackend::new(Arc::new(model)))
+        let (backend, backend_name): (Box<dyn ForwardBackend>, String) = match given {
+            Some((b, name)) => {
+                if b.max_context() < n_ctx {
+                    return Err(LoadError::Options(format!(
+                        "the {name} backend holds {} positions, the served context is {n_ctx}",
+                        b.max_context()
+                    )));
+                }
+                (b, name.to_string())
+            }
+            None if file.architecture().ok() == Some("deepseek4") => {
+                let model = model::Deepseek4::load(Arc::clone(&file), &load_opts)?;
+                (
+                    Box::new(Deepseek4Backend::new(Arc::new(model))),
+                    quant::kernels().name().to_string(),
+                )
+            }
+            None => {
+                let model = model::Model::load(Arc::clone(&file), &load_opts)?;
+                (
+                    Box::new(ModelBackend::new(Arc::new(model))),
+                    quant::kernels().name().to_string(),
+                )
+            }
         };
         let cfg = EngineConfig {
             max_seqs: opts.max_seqs,
@@ -183,7 +221,7 @@ impl ServedModel {
         let size = std::fs::metadata(path).map_or(0, |m| m.len());
         let fingerprint = format!(
             "lockstep-{}-{}",
-            quant::kernels().name(),
+            backend_name,
             model_hash(&opts.name, path, size)
         );
         let created = std::time::SystemTime::now()
