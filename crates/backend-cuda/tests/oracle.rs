@@ -222,6 +222,16 @@ fn argmax_ties_to_lowest_and_skips_nan() {
 // ---- the whole forward --------------------------------------------------------------
 
 fn tiny_model(arch: &str, matmul: GgmlType, head: Option<GgmlType>, tag: &str) -> Arc<GgufFile> {
+    tiny_model_ctx(arch, matmul, head, tag, 512)
+}
+
+fn tiny_model_ctx(
+    arch: &str,
+    matmul: GgmlType,
+    head: Option<GgmlType>,
+    tag: &str,
+    n_ctx: usize,
+) -> Arc<GgufFile> {
     let shape = TinyShape {
         n_layer: 2,
         n_embd: 256,
@@ -229,7 +239,7 @@ fn tiny_model(arch: &str, matmul: GgmlType, head: Option<GgmlType>, tag: &str) -
         n_head: 4,
         n_head_kv: 2,
         n_vocab: 320,
-        n_ctx: 512,
+        n_ctx,
     };
     let spec = tiny_spec(arch, shape, matmul, head);
     let dir = std::env::temp_dir().join(format!("lockstep-cuda-oracle-{}", std::process::id()));
@@ -240,17 +250,21 @@ fn tiny_model(arch: &str, matmul: GgmlType, head: Option<GgmlType>, tag: &str) -
 }
 
 fn cuda_backend(g: &Arc<GgufFile>) -> lockstep_backend_cuda::CudaBackend {
+    cuda_backend_kv(g, 2048)
+}
+
+fn cuda_backend_kv(g: &Arc<GgufFile>, kv_tokens: usize) -> lockstep_backend_cuda::CudaBackend {
     let dev = Device::new(0).unwrap_or_else(|e| panic!("these tests need a CUDA GPU: {e}"));
     let mut b =
         lockstep_backend_cuda::CudaBackend::new(CudaModel::load(dev, g.clone(), None).unwrap());
-    b.init_kv(2048).unwrap();
+    b.init_kv(kv_tokens).unwrap();
     b
 }
 
 fn cpu_backend(g: &Arc<GgufFile>) -> ModelBackend {
     let m = model::Model::load(g.clone(), &model::LoadOptions::default()).unwrap();
     let mut b = ModelBackend::new(Arc::new(m));
-    b.init_kv(2048).unwrap();
+    b.init_kv(4096).unwrap();
     b
 }
 
@@ -325,6 +339,27 @@ fn forward_matches_cpu_model_bit_for_bit() {
         for (p, (a, b)) in lg.iter().zip(&lc).enumerate() {
             assert_bits_eq(&format!("{tag} decode position {}", 70 + p), a, b);
         }
+    }
+}
+
+#[test]
+fn attention_past_one_span_matches_cpu() {
+    // The attention kernel scores 2048 keys per span; a context of 2,300 positions takes
+    // two spans, with the running max, sum and accumulators carried across.
+    let g = tiny_model_ctx("qwen2", GgmlType::Q8_0, None, "spans", 4096);
+    let mut cpu = cpu_backend(&g);
+    let mut gpu = cuda_backend_kv(&g, 4096);
+    let toks = tokens(2300, 21);
+    let (sc, sg) = (cpu.kv_new(), gpu.kv_new());
+    let lc = run_chunks(&mut cpu, sc, 0, &toks[..2290], 512);
+    let lg = run_chunks(&mut gpu, sg, 0, &toks[..2290], 512);
+    for p in [0, 2047, 2048, 2049, 2289] {
+        assert_bits_eq(&format!("prefill position {p}"), &lg[p], &lc[p]);
+    }
+    let lc = run_chunks(&mut cpu, sc, 2290, &toks[2290..], 1);
+    let lg = run_chunks(&mut gpu, sg, 2290, &toks[2290..], 1);
+    for (p, (a, b)) in lg.iter().zip(&lc).enumerate() {
+        assert_bits_eq(&format!("decode position {}", 2290 + p), a, b);
     }
 }
 
