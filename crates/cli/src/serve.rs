@@ -91,40 +91,46 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
         kv_type,
         spec: engine::SpecConfig::default(),
     };
-    if let Some(path) = &args.spec.dspark {
-        anyhow::bail!(
-            "--dspark {path}: the DSpark block drafter runs in `lockstep run` for now, not in \
-             the server"
-        );
-    }
-    if args.spec.enabled() {
-        let tokenizer = load::load_tokenizer(&gguf)?;
-        let n_vocab = model::Config::from_gguf(&gguf)
-            .with_context(|| format!("reading {name}'s configuration"))?
-            .n_vocab;
-        opts.spec = args.spec.engine_spec(
-            &tokenizer,
-            n_vocab,
-            &args.model,
-            opts.kv_pool_tokens(n_ctx),
-            None,
-        )?;
-    }
-    // The CPU unless a GPU was asked for or `auto` finds one (device::backend says which).
+    // The CPU's ServedModel::load unless a GPU was asked for or `auto` may find one, or a
+    // DSpark support file comes with the model: then device::backend loads it (and says
+    // where it runs).
     let on_gpu_maybe = match args.model.device {
         DeviceArg::Cpu => false,
         DeviceArg::Cuda(_) => true,
         DeviceArg::Auto => backend_cuda::cuda_built(),
     };
-    let served = if on_gpu_maybe {
+    let dspark = args.spec.dspark.as_deref();
+    let (loaded, spec_draft) = if on_gpu_maybe || dspark.is_some() {
         let mut margs = args.model.clone();
         margs.ctx_size = Some(n_ctx);
-        let loaded = crate::device::backend(&gguf, &margs, &name, None)?;
-        drop(gguf);
-        server::ServedModel::load_with_backend(&path, &opts, loaded.backend, &loaded.device_name)
+        let loaded = crate::device::backend(&gguf, &margs, &name, dspark)?;
+        let draft = loaded.dspark.clone();
+        (Some(loaded), draft)
     } else {
-        drop(gguf);
-        server::ServedModel::load(&path, &opts)
+        (None, None)
+    };
+    if args.spec.enabled() {
+        let tokenizer = load::load_tokenizer(&gguf)?;
+        let n_vocab = match &loaded {
+            Some(l) => l.n_vocab,
+            None => {
+                model::Config::from_gguf(&gguf)
+                    .with_context(|| format!("reading {name}'s configuration"))?
+                    .n_vocab
+            }
+        };
+        opts.spec = args.spec.engine_spec(
+            &tokenizer,
+            n_vocab,
+            &args.model,
+            opts.kv_pool_tokens(n_ctx),
+            spec_draft,
+        )?;
+    }
+    drop(gguf);
+    let served = match loaded {
+        Some(l) => server::ServedModel::load_with_backend(&path, &opts, l.backend, &l.device_name),
+        None => server::ServedModel::load(&path, &opts),
     };
     let model = Arc::new(served.with_context(|| format!("loading {}", path.display()))?);
     let config = server::ServerConfig {
@@ -166,6 +172,9 @@ fn speculation_note(spec: &engine::SpecConfig) -> String {
     }
     if let Some(m) = &d.draft_model {
         names.push(format!("draft model {}", m.name()));
+    }
+    if let Some(ds) = &d.dspark {
+        names.push(format!("DSpark {}", ds.name()));
     }
     if d.fast_forward {
         names.push("grammar fast-forward".into());

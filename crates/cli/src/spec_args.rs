@@ -39,7 +39,7 @@ pub struct SpecArgs {
 
     /// DSpark block drafter for a DeepSeek V4 model: a support GGUF (ds4's
     /// `deepseek4.dspark.*` or the forks' `dspark.*` metadata, `mtp.*` stage tensors); the
-    /// target's rows at its layers are captured while it runs. `lockstep run` only
+    /// target's rows at its layers are captured while it runs (CPU only, as V4 is)
     #[arg(long = "dspark", value_name = "FILE")]
     pub dspark: Option<String>,
 

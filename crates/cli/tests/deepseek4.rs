@@ -137,3 +137,86 @@ fn deepseek4_on_cuda_is_a_clear_error() -> TestResult {
     assert!(err.contains("deepseek4") && err.contains("CPU"), "{err}");
     Ok(())
 }
+
+/// Sends one HTTP/1.1 request with `Connection: close` and returns the response body
+/// (a plain or chunked body).
+fn http_post(addr: &str, path: &str, body: &str) -> Result<String, Box<dyn std::error::Error>> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))?;
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let raw = String::from_utf8(raw)?;
+    let (head, rest) = raw.split_once("\r\n\r\n").ok_or("no header end")?;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{rest}");
+    if !head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        return Ok(rest.to_string());
+    }
+    let mut out = String::new();
+    let mut rest = rest;
+    loop {
+        let (size, after) = rest.split_once("\r\n").ok_or("bad chunk")?;
+        let n = usize::from_str_radix(size.trim(), 16)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        out.push_str(after.get(..n).ok_or("short chunk")?);
+        rest = after.get(n + 2..).ok_or("short chunk")?;
+    }
+}
+
+#[test]
+fn serve_drafts_with_a_dspark_support_file_and_answers_as_plain_decoding() -> TestResult {
+    use std::io::BufRead;
+    let plain: Value = serde_json::from_str(
+        String::from_utf8_lossy(&run(&["--temp", "0", "-o", "json"])?.stdout)
+            .lines()
+            .last()
+            .ok_or("no output")?,
+    )?;
+    let (model, sup) = (fixture(), support());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["serve", "-m", &model, "--port", "0", "--device", "cpu"])
+        .args(["--dspark", &sup, "--spec-max-draft", "5"])
+        .args(["--spec-confidence-grid", "0"])
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let result = (|| -> TestResult {
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let mut line = String::new();
+        std::io::BufReader::new(stdout).read_line(&mut line)?;
+        let addr = line
+            .split("http://")
+            .nth(1)
+            .and_then(|r| r.split('/').next())
+            .ok_or_else(|| format!("no address in {line:?}"))?
+            .to_string();
+        let body = serde_json::json!({
+            "model": "flash-layout",
+            "prompt": "abcabcabcabc abcabc",
+            "max_tokens": 16,
+            "temperature": 0,
+        })
+        .to_string();
+        let v: Value = serde_json::from_str(&http_post(&addr, "/v1/completions", &body)?)?;
+        assert_eq!(v["choices"][0]["text"], plain["text"], "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 16, "{v}");
+        let spec = &v["usage"]["speculative"];
+        assert!(spec["drafted"].as_u64().unwrap_or(0) > 0, "{v}");
+        Ok(())
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    result
+}
