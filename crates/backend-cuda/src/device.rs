@@ -119,7 +119,6 @@ const KERNELS: &[&str] = &[
     "rope",
     "norm_quant",
     "rope_kv",
-    "kv_write",
     "copy_u16",
     "attention",
     "argmax_rows",

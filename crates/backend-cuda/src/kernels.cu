@@ -690,7 +690,7 @@ extern "C" __global__ void norm_quant(const float* x, const float* w, float* out
 
 // RoPE of q and k fused with the KV-cache write: one thread per (row, head of q or k, pair
 // slot p < head_dim / 2). Slots below dims / 2 rotate their pair (as `rope`); the others
-// carry the unrotated tail. k heads and v go to the cache as f16 (as `kv_write`); q stays
+// carry the unrotated tail. k heads and v go to the cache as f16 (see "paged KV cache" below); q stays
 // in place.
 extern "C" __global__ void rope_kv(float* q, const float* k, const float* v, u16* kc, u16* vc,
                                    const int* pos, const int* phys, const float* cos_t,
@@ -788,19 +788,8 @@ extern "C" __global__ void rope(float* x, const int* pos, const float* cos_t, co
 // ---- paged KV cache -----------------------------------------------------------------
 //
 // Per layer: K and V, each [blocks][n_kv][bsz][head_dim] f16. Row r writes position
-// pos[r] into block slot[r] (the physical block), offset pos % bsz.
-
-extern "C" __global__ void kv_write(const float* k, const float* v, u16* kc, u16* vc, const int* pos,
-                                    const int* phys, int rows, int n_kv, int head_dim, int bsz) {
-    long t = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    int kvd = n_kv * head_dim;
-    if (t >= (long)rows * kvd) return;
-    int r = (int)(t / kvd), c = (int)(t % kvd);
-    int h = c / head_dim, i = c % head_dim;
-    size_t dst = (((size_t)phys[r] * n_kv + h) * bsz + (pos[r] % bsz)) * head_dim + i;
-    kc[dst] = f32_to_f16(k[t]);
-    vc[dst] = f32_to_f16(v[t]);
-}
+// pos[r] into block phys[r] (the physical block), offset pos % bsz (rope_kv above), as f16
+// rounded to nearest even (f32_to_f16, the CPU's conversion).
 
 // Copies `count` u16 values from block `src` to block `dst` (copy-on-write).
 extern "C" __global__ void copy_u16(u16* base, long src, long dst, long count) {
