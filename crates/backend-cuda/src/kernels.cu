@@ -605,15 +605,11 @@ extern "C" __global__ void matmul_float(const u8* w, const float* x, float* out,
 
 // ---- row ops ------------------------------------------------------------------------
 
-// RMSNorm (backend_cpu::Kernels::rms_norm, plain weight): one warp per row. The sum of
-// squares is canon::dot(x, x): 16 lane partials (element i in lane i % 16), then tree16.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int n, float eps) {
-    int row = blockIdx.x, lane = threadIdx.x;
-    const float* xr = x + (size_t)row * n;
-    float* o = out + (size_t)row * n;
+// canon::dot(x, x) of one row for RMSNorm, in every lane of the warp: 16 lane chains
+// (element i in lane i % 16, in order, loads issued eight at a time), then tree16.
+__device__ __forceinline__ float row_sumsq(const float* xr, int n, int lane) {
     float l = 0.0f;
     if (lane < 16) {
-        // The lane's chain in order, its loads issued eight at a time.
         int i = lane;
         for (; i + 16 * 7 < n; i += 16 * 8) {
             float v[8];
@@ -625,7 +621,17 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
         for (; i < n; i += 16) l = fmaf(xr[i], xr[i], l);
     }
     float ss = tree16(l);
-    ss = __shfl_sync(0xffffffffu, ss, 0);
+    return __shfl_sync(0xffffffffu, ss, 0);
+}
+
+
+// RMSNorm (backend_cpu::Kernels::rms_norm, plain weight): one warp per row. The sum of
+// squares is canon::dot(x, x): 16 lane partials (element i in lane i % 16), then tree16.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int n, float eps) {
+    int row = blockIdx.x, lane = threadIdx.x;
+    const float* xr = x + (size_t)row * n;
+    float* o = out + (size_t)row * n;
+    float ss = row_sumsq(xr, n, lane);
     float mean = __fdiv_rn(ss, (float)n);
     float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
     for (int i = lane; i < n; i += 32) o[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
@@ -649,20 +655,7 @@ extern "C" __global__ void norm_quant(const float* x, const float* w, float* out
         __syncwarp();
         xr = s_row;
     }
-    float l = 0.0f;
-    if (lane < 16) {
-        int i = lane;
-        for (; i + 16 * 7 < n; i += 16 * 8) {
-            float v[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++) v[u] = xr[i + 16 * u];
-#pragma unroll
-            for (int u = 0; u < 8; u++) l = fmaf(v[u], v[u], l);
-        }
-        for (; i < n; i += 16) l = fmaf(xr[i], xr[i], l);
-    }
-    float ss = tree16(l);
-    ss = __shfl_sync(0xffffffffu, ss, 0);
+    float ss = row_sumsq(xr, n, lane);
     float mean = __fdiv_rn(ss, (float)n);
     float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
     float* o = out + (size_t)row * n + (size_t)b * bl;

@@ -66,21 +66,8 @@ pub(crate) enum Epilogue {
 /// Bytes per weight block and blocks in flight per warp (`Meta::BB` and `G` in
 /// `kernels.cu`) of a quantized format.
 fn block_geometry(f: Format) -> (usize, usize) {
-    let bb = match f {
-        Format::Q4_0 => 18,
-        Format::Q4_1 => 20,
-        Format::Q5_0 => 22,
-        Format::Q5_1 => 24,
-        Format::Q8_0 => 34,
-        Format::Q2_K => 84,
-        Format::Q3_K => 110,
-        Format::Q4_K => 144,
-        Format::Q5_K => 176,
-        Format::Q6_K => 210,
-        _ => 0,
-    };
     let g = if f.block_len() == 32 { 8 } else { 4 };
-    (bb, g)
+    (f.block_bytes(), g)
 }
 
 /// The kernel for a weight format, or an error for formats without a CUDA kernel.
