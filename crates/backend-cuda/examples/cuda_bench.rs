@@ -102,8 +102,13 @@ fn main() {
     let profile = args.iter().any(|a| a == "--profile");
     let g = Arc::new(GgufFile::open(path).expect("open model"));
     let t0 = Instant::now();
-    let mut b =
-        lockstep_backend_cuda::load_backend(0, g.clone(), Some(4096)).expect("load on CUDA");
+    let mut b = match lockstep_backend_cuda::load_backend(0, g.clone(), Some(4096)) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("cuda_bench: cannot load {path} on CUDA device 0: {e}");
+            std::process::exit(1);
+        }
+    };
     println!(
         "loaded {path} on {} in {:.2} s (kernels from cache: {}); weight bytes {:.1} MB",
         b.model().device().name(),
