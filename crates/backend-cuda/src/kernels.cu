@@ -367,6 +367,19 @@ template <> __device__ __forceinline__ int codes4<F_Q8_0>(const u8* b, int e) {
     return (int)((u32)p[0] | ((u32)p[1] << 16));
 }
 
+// The canonical float step of one block (quant::scalar::dot_blocks): weight scale d (and
+// min m), activation scale da, the block's exact integer sums is (codes) and ms (minimums).
+template <int F>
+__device__ __forceinline__ float block_step(float acc, float d, float m, float da, int is, int ms) {
+    acc = fmaf(__fmul_rn(d, da), (float)is, acc);
+    if (F == F_Q4_1 || F == F_Q5_1) {
+        acc = fmaf(__fmul_rn(m, da), (float)ms, acc);
+    } else if (F == F_Q2_K || F == F_Q4_K || F == F_Q5_K) {
+        acc = fmaf(-__fmul_rn(m, da), (float)ms, acc);
+    }
+    return acc;
+}
+
 template <int F, int MT, int PAIR>
 __device__ __forceinline__ void matmul_q_impl(const u8* w0, const u8* w1, const u8* w2, int n0, int n1,
                                               int n2, float* o0, float* o1, float* o2, const float* b0,
@@ -489,14 +502,8 @@ __device__ __forceinline__ void matmul_q_impl(const u8* w0, const u8* w1, const 
                     for (int r = 0; r < MT; r++) {
                         if (valid && r < nr) {
                             float da = sd ? sd[b] : ad[(size_t)(r0 + r) * (k / BL) + b];
-                            float a = half ? acc2[r] : acc[r];
-                            a = fmaf(__fmul_rn(d, da), (float)isum[r], a);
-                            if (MIN1) {
-                                a = fmaf(__fmul_rn(mm, da), (float)msum[r], a);
-                            } else if (MINK) {
-                                a = fmaf(-__fmul_rn(mm, da), (float)msum[r], a);
-                            }
-                            if (half) acc2[r] = a; else acc[r] = a;
+                            float& a = half ? acc2[r] : acc[r];
+                            a = block_step<F>(a, d, mm, da, isum[r], msum[r]);
                         }
                     }
                     continue;
@@ -515,14 +522,8 @@ __device__ __forceinline__ void matmul_q_impl(const u8* w0, const u8* w1, const 
                         int ms = __shfl_sync(0xffffffffu, msum[r], src);
                         if (ok && r < nr) {
                             float da = sd ? sd[bb] : ad[(size_t)(r0 + r) * (k / BL) + bb];
-                            float a = half ? acc2[r] : acc[r];
-                            a = fmaf(__fmul_rn(dg, da), (float)is, a);
-                            if (MIN1) {
-                                a = fmaf(__fmul_rn(mg, da), (float)ms, a);
-                            } else if (MINK) {
-                                a = fmaf(-__fmul_rn(mg, da), (float)ms, a);
-                            }
-                            if (half) acc2[r] = a; else acc[r] = a;
+                            float& a = half ? acc2[r] : acc[r];
+                            a = block_step<F>(a, dg, mg, da, is, ms);
                         }
                     }
                 }
@@ -913,32 +914,24 @@ extern "C" __global__ void attention(const float* q, const u16* kc, const u16* v
         __syncthreads();
         // 4. the chains, unit by unit (sk keys of one chunk), V staged ahead through the ring.
         int nu = nc * upc;
-        for (int u = 0; u < ATT_VAHEAD; u++) {
-            if (u < nu) {
-                int c = u / upc, ks = c * bsz + (u % upc) * sk, ke = min(min(ks + sk, (c + 1) * bsz), nk);
+        // Queues (this thread's share of) unit un's V rows into its ring buffer, then closes
+        // a copy group (an empty one past the last unit, so every iteration counts alike).
+        auto issue_v = [&](int un) {
+            if (un < nu) {
+                int c = un / upc, ks = c * bsz + (un % upc) * sk, ke = min(min(ks + sk, (c + 1) * bsz), nk);
                 if (ks < ke) {
                     const u16* src = vc + (((size_t)s_tab[c] * n_kv + kvh) * bsz + (ks - c * bsz)) * head_dim;
                     int n16 = (ke - ks) * n16_row;
-                    for (int i = t; i < n16; i += ATT_THREADS) cp_async16(&s_v[u % ATT_VBUF][8 * i], src + 8 * i);
+                    for (int i = t; i < n16; i += ATT_THREADS) cp_async16(&s_v[un % ATT_VBUF][8 * i], src + 8 * i);
                 }
             }
             asm volatile("cp.async.commit_group;" ::: "memory");
-        }
+        };
+        for (int u = 0; u < ATT_VAHEAD; u++) issue_v(u);
         for (int u = 0; u < nu; u++) {
             asm volatile("cp.async.wait_group 2;" ::: "memory");  // ATT_VAHEAD - 1
             __syncthreads();
-            {
-                int un = u + ATT_VAHEAD;
-                if (un < nu) {
-                    int c = un / upc, ks = c * bsz + (un % upc) * sk, ke = min(min(ks + sk, (c + 1) * bsz), nk);
-                    if (ks < ke) {
-                        const u16* src = vc + (((size_t)s_tab[c] * n_kv + kvh) * bsz + (ks - c * bsz)) * head_dim;
-                        int n16 = (ke - ks) * n16_row;
-                        for (int i = t; i < n16; i += ATT_THREADS) cp_async16(&s_v[un % ATT_VBUF][8 * i], src + 8 * i);
-                    }
-                }
-                asm volatile("cp.async.commit_group;" ::: "memory");
-            }
+            issue_v(u + ATT_VAHEAD);
             int c = u / upc, first = (u % upc) == 0;
             int ks = c * bsz + (u % upc) * sk, ke = min(min(ks + sk, (c + 1) * bsz), nk);
             const u16* sv = s_v[u % ATT_VBUF];
