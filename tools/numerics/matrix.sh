@@ -1,7 +1,7 @@
 #!/bin/bash
 # llama.cpp against itself: one setting changed at a time. Output: target-numerics/<tag>.txt
 cd /work/main/target-numerics
-M=~/.cache/lockstep/models; C="$(dirname "$0")/cmp.py"; G=${LOCKSTEP_SHARED:-../shared}/golden
+M=~/.cache/lockstep/models; C="$(dirname "$0")/cmp.py"; G="$(dirname "$0")/../../crates/model/tests/data/golden"
 run() { m=$1; tag=$2; shift 2; ./lpdump $M/$m.gguf $m.cases $tag.txt "$@" && echo "$tag ($*): vs golden $(python3 $C $G/$m.json $tag.txt)"; }
 run smollm2-135m s_fa0 --fa 0
 run smollm2-135m s_fa1 --fa 1

@@ -638,6 +638,113 @@ impl KvCache {
         Ok(())
     }
 
+    /// Bytes of one block of every layer as [`KvCache::export_block`] writes it: per
+    /// layer, the block's keys then its values (`n_kv_head * block_size * head_dim`
+    /// elements each, little-endian f16 bits or f32).
+    pub fn block_bytes(&self) -> usize {
+        let elem = match self.cfg.kv_type {
+            KvType::F16 => 2,
+            KvType::F32 => 4,
+        };
+        2 * self.layer_map.len()
+            * self.cfg.n_kv_head
+            * self.cfg.block_size
+            * self.cfg.head_dim
+            * elem
+    }
+
+    /// Appends to `out` the stored K/V of logical block `b` of `seq` in every layer (the
+    /// exact stored bits, layout of [`KvCache::block_bytes`]). [`Error::Released`] when a
+    /// group no longer holds the block (it left a sliding window), [`Error::NotReserved`]
+    /// when the sequence does not reach it.
+    pub fn export_block(&self, seq: &SeqKv, b: usize, out: &mut Vec<u8>) -> Result<()> {
+        self.check_seq(seq)?;
+        let bsz = self.cfg.block_size;
+        if (b + 1) * bsz > seq.len {
+            return Err(Error::NotReserved {
+                pos: (b + 1) * bsz - 1,
+                len: seq.len,
+            });
+        }
+        let per_block = self.cfg.n_kv_head * self.cfg.head_dim * bsz;
+        out.reserve(self.block_bytes());
+        for &(g, li) in &self.layer_map {
+            let block = seq.tables[g].block(b).ok_or(Error::Released {
+                pos: b * bsz,
+                group: g,
+            })?;
+            let r = block as usize * per_block..(block as usize + 1) * per_block;
+            match &self.groups[g].storage[li] {
+                Values::F16 { k, v } => {
+                    for x in k[r.clone()].iter().chain(&v[r]) {
+                        out.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+                Values::F32 { k, v } => {
+                    for x in k[r.clone()].iter().chain(&v[r]) {
+                        out.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` (the layout of [`KvCache::export_block`]) into logical block `b` of
+    /// `seq` in every layer whose group holds it: the stored bits are exactly those
+    /// exported. Groups whose table has released the block are skipped (a sliding window
+    /// that no longer reaches it). The block must be reserved and not shared
+    /// ([`Error::SharedBlock`]); a wrong length is [`Error::Shape`]. Nothing is written
+    /// unless every check passes.
+    pub fn import_block(&mut self, seq: &SeqKv, b: usize, data: &[u8]) -> Result<()> {
+        self.check_seq(seq)?;
+        check_len("imported KV block bytes", self.block_bytes(), data.len())?;
+        let bsz = self.cfg.block_size;
+        if (b + 1) * bsz > seq.len {
+            return Err(Error::NotReserved {
+                pos: (b + 1) * bsz - 1,
+                len: seq.len,
+            });
+        }
+        for (g, (group, table)) in self.groups.iter().zip(&seq.tables).enumerate() {
+            if let Some(block) = table.block(b)
+                && group.alloc.refcount(block) > 1
+            {
+                return Err(Error::SharedBlock {
+                    pos: b * bsz,
+                    group: g,
+                });
+            }
+        }
+        let per_block = self.cfg.n_kv_head * self.cfg.head_dim * bsz;
+        let layer_bytes = data.len() / self.layer_map.len().max(1);
+        for (&(g, li), chunk) in self.layer_map.iter().zip(data.chunks_exact(layer_bytes)) {
+            let Some(block) = seq.tables[g].block(b) else {
+                continue;
+            };
+            let r = block as usize * per_block..(block as usize + 1) * per_block;
+            match &mut self.groups[g].storage[li] {
+                Values::F16 { k, v } => {
+                    let mut src = chunk
+                        .chunks_exact(2)
+                        .map(|c| u16::from_le_bytes([c[0], c[1]]));
+                    for (dst, x) in k[r.clone()].iter_mut().chain(&mut v[r]).zip(&mut src) {
+                        *dst = x;
+                    }
+                }
+                Values::F32 { k, v } => {
+                    let mut src = chunk
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                    for (dst, x) in k[r.clone()].iter_mut().chain(&mut v[r]).zip(&mut src) {
+                        *dst = x;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Keys of (group, layer in group, block, kv head).
     pub(crate) fn block_keys(&self, g: usize, li: usize, block: u32, h: usize) -> BlockSlice<'_> {
         self.block_slice(g, li, block, h, true)

@@ -227,3 +227,67 @@ fn bad_configurations_are_errors() {
     c.head_dim = 0;
     assert!(KvCache::new(c).is_err());
 }
+
+#[test]
+fn exported_blocks_import_into_another_cache_bit_for_bit() {
+    for kv_type in [KvType::F16, KvType::F32] {
+        // A global layer, a sliding layer (window 6) and another global layer.
+        let windows = vec![None, Some(6), None];
+        let mut src = KvCache::new(config(windows.clone(), kv_type)).unwrap();
+        let mut seq = src.new_sequence();
+        src.reserve(&mut seq, 8).unwrap();
+        let mut rng = Rng(7);
+        let w = 2 * 16;
+        for layer in 0..3 {
+            for p in 0..8 {
+                let (k, v) = (rng.wild_vec(w), rng.wild_vec(w));
+                src.write(layer, &seq, p, &k, &v).unwrap();
+            }
+        }
+        let mut blocks = Vec::new();
+        for b in 0..2 {
+            let mut bytes = Vec::new();
+            src.export_block(&seq, b, &mut bytes).unwrap();
+            assert_eq!(bytes.len(), src.block_bytes());
+            blocks.push(bytes);
+        }
+        let mut dst = KvCache::new(config(windows, kv_type)).unwrap();
+        let mut copy = dst.new_sequence();
+        dst.reserve(&mut copy, 8).unwrap();
+        for (b, bytes) in blocks.iter().enumerate() {
+            dst.import_block(&copy, b, bytes).unwrap();
+        }
+        for layer in 0..3 {
+            for p in 0..8 {
+                let (mut k0, mut v0, mut k1, mut v1) =
+                    (vec![0.0; w], vec![0.0; w], vec![0.0; w], vec![0.0; w]);
+                src.read(layer, &seq, p, &mut k0, &mut v0).unwrap();
+                dst.read(layer, &copy, p, &mut k1, &mut v1).unwrap();
+                common::assert_same(&common::bits(&k1), &common::bits(&k0), "keys");
+                common::assert_same(&common::bits(&v1), &common::bits(&v0), "values");
+            }
+        }
+        // A wrong length, a shared block and an unreserved block are refused.
+        assert!(matches!(
+            dst.import_block(&copy, 0, &blocks[0][1..]),
+            Err(Error::Shape { .. })
+        ));
+        let fork = dst.fork(&copy);
+        assert!(matches!(
+            dst.import_block(&copy, 1, &blocks[1]),
+            Err(Error::SharedBlock { .. })
+        ));
+        dst.release_sequence(fork);
+        assert!(matches!(
+            dst.import_block(&copy, 2, &blocks[1]),
+            Err(Error::NotReserved { .. })
+        ));
+        // A block that left the sliding window cannot be exported.
+        src.release_outside_window(&mut seq, 10);
+        let mut bytes = Vec::new();
+        assert!(matches!(
+            src.export_block(&seq, 0, &mut bytes),
+            Err(Error::Released { .. })
+        ));
+    }
+}

@@ -1,10 +1,12 @@
 //! CUDA speed and real-shape exactness probe:
 //!
 //! ```text
-//! cargo run --release -p lockstep-backend-cuda --features cuda --example cuda_bench -- MODEL.gguf [--check-cpu] [--unordered] [--profile]
+//! cargo run --release -p lockstep-backend-cuda --features cuda --example cuda_bench -- MODEL.gguf [--check-cpu] [--unordered] [--profile] [--ab]
 //! ```
 //!
-//! Prints pp512 and tg128 (tokens/s, medians of 3), the fraction of the HBM bound for
+//! Prints pp512 and tg128 (tokens/s, medians of 3; tg128 chooses greedily on the device,
+//! and again with the logits read back and the choice made on the host), with `--ab` both
+//! again for each kernel choice of `StepOptions` (older kernels, same bits), the fraction of the HBM bound for
 //! decode (weight bytes per token over 4.3 TB/s, the copy bandwidth measured on this
 //! workplace's H200), the verify-cost curve t(M)/t(1) for M = 1..16 at a 512-token
 //! context, a G1 check at full shape (a 16-row verify block against 16 decode steps, bit
@@ -12,7 +14,8 @@
 //! `--unordered` pp512 and tg128 again with the matmuls' block order left free (what the
 //! fixed order costs; those logits are not the canonical ones), and with `--profile` the
 //! kernels of one decode step (graphs off, a wait around each launch) at contexts 64 and
-//! 512, summed by kernel.
+//! 512, summed by kernel. `--steps-only` runs a 64-token prefill and four decode steps
+//! without graphs and nothing else (for an external profiler such as `ncu`).
 
 use engine::{ForwardBackend, ForwardRow, KvSlot, ModelBackend};
 use gguf::GgufFile;
@@ -68,8 +71,9 @@ fn pp512(b: &mut lockstep_backend_cuda::CudaBackend, prompt: &[u32]) -> f64 {
 }
 
 /// tg128: seconds per token over 128 greedy decode steps from an empty context (median
-/// of 3 after a warm-up).
-fn tg128(b: &mut lockstep_backend_cuda::CudaBackend) -> f64 {
+/// of 3 after a warm-up), the choice made on the device (only the id comes back) or, with
+/// `host_logits`, the logits read back and the choice made on the host.
+fn tg128_with(b: &mut lockstep_backend_cuda::CudaBackend, host_logits: bool) -> f64 {
     let mut logits = Vec::new();
     let mut tg = Vec::new();
     for rep in 0..4 {
@@ -78,9 +82,15 @@ fn tg128(b: &mut lockstep_backend_cuda::CudaBackend) -> f64 {
         let t = Instant::now();
         for p in 0..128 {
             b.kv_prepare(s, p, p + 1).expect("prepare");
-            b.forward(&rows(s, p, &[tok], true), &mut logits)
-                .expect("forward");
-            tok = argmax(&logits);
+            if host_logits {
+                b.forward(&rows(s, p, &[tok], true), &mut logits)
+                    .expect("forward");
+                tok = argmax(&logits);
+            } else {
+                tok = b
+                    .forward_greedy(&rows(s, p, &[tok], true))
+                    .expect("forward")[0];
+            }
         }
         let dt = t.elapsed().as_secs_f64();
         if rep > 0 {
@@ -91,15 +101,20 @@ fn tg128(b: &mut lockstep_backend_cuda::CudaBackend) -> f64 {
     median(tg) / 128.0
 }
 
+fn tg128(b: &mut lockstep_backend_cuda::CudaBackend) -> f64 {
+    tg128_with(b, false)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let Some(path) = args.get(1) else {
-        eprintln!("usage: cuda_bench MODEL.gguf [--check-cpu] [--unordered] [--profile]");
+        eprintln!("usage: cuda_bench MODEL.gguf [--check-cpu] [--unordered] [--profile] [--ab]");
         std::process::exit(2);
     };
     let check_cpu = args.iter().any(|a| a == "--check-cpu");
     let unordered = args.iter().any(|a| a == "--unordered");
     let profile = args.iter().any(|a| a == "--profile");
+    let ab = args.iter().any(|a| a == "--ab");
     let g = Arc::new(GgufFile::open(path).expect("open model"));
     let t0 = Instant::now();
     let mut b = match lockstep_backend_cuda::load_backend(0, g.clone(), Some(4096)) {
@@ -120,6 +135,24 @@ fn main() {
     let nv = b.n_vocab();
     let prompt: Vec<u32> = (0..512u32).map(|i| (i * 7919 + 13) % nv as u32).collect();
     let mut logits = Vec::new();
+    if args.iter().any(|a| a == "--steps-only") {
+        // For an external profiler (ncu): a 64-token prefill, then 4 decode steps with
+        // graphs off (every kernel launched on its own), nothing else.
+        let s = b.kv_new();
+        b.kv_prepare(s, 0, 64).expect("prepare");
+        b.forward(&rows(s, 0, &prompt[..64], false), &mut logits)
+            .expect("forward");
+        b.set_graphs(false);
+        let mut tok = 1u32;
+        for p in 64..68 {
+            b.kv_prepare(s, p, p + 1).expect("prepare");
+            tok = b
+                .forward_greedy(&rows(s, p, &[tok], true))
+                .expect("forward")[0];
+        }
+        println!("steps-only: last token {tok}");
+        return;
+    }
 
     let pp_s = pp512(&mut b, &prompt);
     println!("pp512: {:.1} ms, {:.0} tokens/s", pp_s * 1e3, 512.0 / pp_s);
@@ -132,6 +165,51 @@ fn main() {
         bound * 1e3,
         100.0 * bound / tg_s
     );
+    let tg_h = tg128_with(&mut b, true);
+    println!(
+        "tg128 with the logits read back and the choice on the host: {:.3} ms/token, {:.1} tokens/s",
+        tg_h * 1e3,
+        1.0 / tg_h
+    );
+    if ab {
+        // What each kernel choice buys (same process, same bits).
+        let base = b.step_options();
+        for mode in 0..4u32 {
+            b.set_step_options(lockstep_backend_cuda::StepOptions::matvec_mode(mode));
+            let t = tg128(&mut b);
+            println!(
+                "matvec mode {mode} (tiled attention): tg128 {:.3} ms/token ({:.1} t/s)",
+                t * 1e3,
+                1.0 / t
+            );
+        }
+        let mut span = base;
+        span.attn_tiled = false;
+        b.set_step_options(span);
+        let t = tg128(&mut b);
+        let p = pp512(&mut b, &prompt);
+        println!(
+            "span attention (default matvec): tg128 {:.3} ms/token ({:.1} t/s), pp512 {:.1} ms ({:.0} t/s)",
+            t * 1e3,
+            1.0 / t,
+            p * 1e3,
+            512.0 / p
+        );
+        b.set_step_options(base);
+        let pdl = b.model().device().pdl();
+        for on in [false, true] {
+            b.model().device().set_pdl(on);
+            b.set_step_options(base);
+            let t = tg128(&mut b);
+            println!(
+                "programmatic dependent launch {on}: tg128 {:.3} ms/token ({:.1} t/s)",
+                t * 1e3,
+                1.0 / t
+            );
+        }
+        b.model().device().set_pdl(pdl);
+        b.set_step_options(base);
+    }
     if unordered {
         // The same runs with the matmuls' block order left free, then back.
         b.model().device().set_unordered_matmul(true);

@@ -2,11 +2,9 @@
 //! disk per device and source hash), typed buffers, and kernel launches.
 
 use crate::CudaError;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
-    LaunchConfig, PushKernelArg, ValidAsZeroBits,
-};
-use cudarc::nvrtc::{CompileOptions, Ptx};
+use cudarc::driver::sys;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use cudarc::nvrtc::CompileOptions;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -59,14 +57,40 @@ impl<T> Buf<T> {
 pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    _module: Arc<CudaModule>,
-    funcs: HashMap<String, CudaFunction>,
+    /// The kernel module (loaded through the driver API directly, so launches can carry
+    /// launch attributes), unloaded on drop.
+    module: sys::CUmodule,
+    funcs: HashMap<String, sys::CUfunction>,
+    /// Whether launches of the [`PDL`] kernels may overlap the kernel before them
+    /// (programmatic dependent launch, compute capability 9.0 and newer).
+    pdl: std::sync::atomic::AtomicBool,
     name: String,
     cc: (i32, i32),
     ordinal: usize,
     compile_cached: bool,
+    sm_count: usize,
+    smem_optin: usize,
     unordered: std::sync::atomic::AtomicBool,
     profile: std::sync::Mutex<Option<Vec<(String, f64)>>>,
+}
+
+// SAFETY: the module and function handles are plain driver handles, valid in any thread
+// once the device's context is bound (every use binds it first); the driver API is
+// thread-safe. cudarc's own module type is Send and Sync for the same reason.
+unsafe impl Send for Device {}
+// SAFETY: as above; launches go through the one stream, which the driver serializes.
+unsafe impl Sync for Device {}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // Nothing may still run kernels of the module: wait, then unload.
+            let _ = self.stream.synchronize();
+            // SAFETY: loaded in `Device::new`, unloaded once; no function of it is used
+            // after this.
+            unsafe { sys::cuModuleUnload(self.module) };
+        }
+    }
 }
 
 impl std::fmt::Debug for Device {
@@ -121,8 +145,102 @@ const KERNELS: &[&str] = &[
     "rope_kv",
     "copy_u16",
     "attention",
+    "attention_tiled",
+    "argmax_part",
     "argmax_rows",
+    "matvec_q4_0",
+    "matvec_q4_0_rows",
+    "matvec_q4_1",
+    "matvec_q4_1_rows",
+    "matvec_q5_0",
+    "matvec_q5_0_rows",
+    "matvec_q5_1",
+    "matvec_q5_1_rows",
+    "matvec_q8_0",
+    "matvec_q8_0_rows",
+    "matvec_q2_k",
+    "matvec_q2_k_rows",
+    "matvec_q3_k",
+    "matvec_q3_k_rows",
+    "matvec_q4_k",
+    "matvec_q4_k_rows",
+    "matvec_q5_k",
+    "matvec_q5_k_rows",
+    "matvec_q6_k",
+    "matvec_q6_k_rows",
+    "matvec_q4_k_q6_k",
+    "matvec_q4_k_q6_k_rows",
+    "matvec_q5_k_q6_k",
+    "matvec_q5_k_q6_k_rows",
 ];
+
+/// Kernels that may take more than 48 KiB of dynamic shared memory (the device's opt-in
+/// limit is raised for them at load).
+const LARGE_SMEM: &[&str] = &[
+    "attention_tiled",
+    "matvec_q4_0",
+    "matvec_q4_0_rows",
+    "matvec_q4_1",
+    "matvec_q4_1_rows",
+    "matvec_q5_0",
+    "matvec_q5_0_rows",
+    "matvec_q5_1",
+    "matvec_q5_1_rows",
+    "matvec_q8_0",
+    "matvec_q8_0_rows",
+    "matvec_q2_k",
+    "matvec_q2_k_rows",
+    "matvec_q3_k",
+    "matvec_q3_k_rows",
+    "matvec_q4_k",
+    "matvec_q4_k_rows",
+    "matvec_q5_k",
+    "matvec_q5_k_rows",
+    "matvec_q6_k",
+    "matvec_q6_k_rows",
+    "matvec_q4_k_q6_k",
+    "matvec_q4_k_q6_k_rows",
+    "matvec_q5_k_q6_k",
+    "matvec_q5_k_q6_k_rows",
+];
+
+/// Kernels that wait for the kernel before them with `griddepcontrol.wait` before reading
+/// anything it wrote (and read nothing but weights before that): they may be launched with
+/// programmatic dependent launch.
+const PDL: &[&str] = &[
+    "attention_tiled",
+    "rope_kv",
+    "argmax_part",
+    "argmax_rows",
+    "matvec_q4_0",
+    "matvec_q4_0_rows",
+    "matvec_q4_1",
+    "matvec_q4_1_rows",
+    "matvec_q5_0",
+    "matvec_q5_0_rows",
+    "matvec_q5_1",
+    "matvec_q5_1_rows",
+    "matvec_q8_0",
+    "matvec_q8_0_rows",
+    "matvec_q2_k",
+    "matvec_q2_k_rows",
+    "matvec_q3_k",
+    "matvec_q3_k_rows",
+    "matvec_q4_k",
+    "matvec_q4_k_rows",
+    "matvec_q5_k",
+    "matvec_q5_k_rows",
+    "matvec_q6_k",
+    "matvec_q6_k_rows",
+    "matvec_q4_k_q6_k",
+    "matvec_q4_k_q6_k_rows",
+    "matvec_q5_k_q6_k",
+    "matvec_q5_k_q6_k_rows",
+];
+
+/// Static shared memory the [`LARGE_SMEM`] kernels declare themselves, at most (bytes):
+/// their dynamic share is the opt-in limit less this.
+const LARGE_SMEM_STATIC: usize = 8 * 1024;
 
 fn drv(what: &str, e: cudarc::driver::DriverError) -> CudaError {
     CudaError::Driver(format!("{what}: {e}"))
@@ -247,25 +365,68 @@ impl Device {
                 (src, false)
             }
         };
-        let module = ctx
-            .load_module(Ptx::from_src(ptx_src))
+        ctx.bind_to_thread()
+            .map_err(|e| drv("binding the context", e))?;
+        let ptx_c = std::ffi::CString::new(ptx_src)
+            .map_err(|_| CudaError::Compile("PTX with a NUL byte".into()))?;
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: `ptx_c` is a NUL-terminated PTX image; the context is bound.
+        unsafe { sys::cuModuleLoadData(&mut module, ptx_c.as_ptr().cast()) }
+            .result()
             .map_err(|e| drv("loading the kernel module", e))?;
+        let attr = |a: sys::CUdevice_attribute| -> Result<usize, CudaError> {
+            ctx.attribute(a)
+                .map(|v| usize::try_from(v).unwrap_or(0))
+                .map_err(|e| drv("device attribute", e))
+        };
+        use sys::CUdevice_attribute as A;
+        let sm_count = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1);
+        let optin = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let smem_optin = optin.saturating_sub(LARGE_SMEM_STATIC).max(48 * 1024);
         let mut funcs = HashMap::new();
         for &k in KERNELS {
-            let f = module
-                .load_function(k)
-                .map_err(|e| drv(&format!("kernel {k}"), e))?;
+            let name_c = std::ffi::CString::new(k).map_err(|_| CudaError::Driver(k.into()))?;
+            let mut f: sys::CUfunction = std::ptr::null_mut();
+            // SAFETY: `module` is loaded; `name_c` is NUL-terminated.
+            let got = unsafe { sys::cuModuleGetFunction(&mut f, module, name_c.as_ptr()) }
+                .result()
+                .map_err(|e| drv(&format!("kernel {k}"), e))
+                .and_then(|()| {
+                    if LARGE_SMEM.contains(&k) && smem_optin > 48 * 1024 {
+                        // SAFETY: `f` is a function of the loaded module.
+                        unsafe {
+                            sys::cuFuncSetAttribute(
+                                f,
+                                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                i32::try_from(smem_optin).unwrap_or(i32::MAX),
+                            )
+                        }
+                        .result()
+                        .map_err(|e| drv(&format!("shared memory limit of {k}"), e))
+                    } else {
+                        Ok(())
+                    }
+                });
+            if let Err(e) = got {
+                // SAFETY: unloaded once, nothing of it is used after.
+                unsafe { sys::cuModuleUnload(module) };
+                return Err(e);
+            }
             funcs.insert(k.to_string(), f);
         }
+        let pdl = cc >= (9, 0) && std::env::var("LOCKSTEP_CUDA_PDL").map_or(true, |v| v != "0");
         Ok(Device {
             ctx,
             stream,
-            _module: module,
+            module,
             funcs,
+            pdl: std::sync::atomic::AtomicBool::new(pdl),
             name,
             cc,
             ordinal,
             compile_cached,
+            sm_count,
+            smem_optin,
             unordered: std::sync::atomic::AtomicBool::new(false),
             profile: std::sync::Mutex::new(None),
         })
@@ -316,6 +477,62 @@ impl Device {
     /// The device ordinal.
     pub fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    /// Streaming multiprocessors.
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
+    }
+
+    /// Dynamic shared memory one CTA of a large-tile kernel (matvec, tiled attention) may
+    /// take (bytes; 48 KiB on devices without an opt-in above that).
+    pub(crate) fn smem_limit(&self) -> usize {
+        self.smem_optin
+    }
+
+    /// CTAs of `threads` threads with `smem` bytes of dynamic shared memory that fit on one
+    /// multiprocessor at once for kernel `name` (at least 1).
+    pub(crate) fn occupancy(&self, name: &str, threads: u32, smem: usize) -> usize {
+        let Some(&f) = self.funcs.get(name) else {
+            return 1;
+        };
+        if self.ctx.bind_to_thread().is_err() {
+            return 1;
+        }
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: `f` is a function of this device's loaded module.
+        let ok = unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut n,
+                f,
+                i32::try_from(threads).unwrap_or(i32::MAX),
+                smem,
+            )
+        }
+        .result()
+        .is_ok();
+        if ok {
+            usize::try_from(n).unwrap_or(1).max(1)
+        } else {
+            1
+        }
+    }
+
+    /// Turns programmatic dependent launch off or on (on by default on compute capability
+    /// 9.0 and newer unless `LOCKSTEP_CUDA_PDL=0`): with it, a [`PDL`] kernel's launch may
+    /// begin while the kernel before it still runs, and it waits for that kernel's results
+    /// (`griddepcontrol.wait`) before reading them. Results are the same either way.
+    /// Graphs captured before keep the choice they were captured with.
+    pub fn set_pdl(&self, on: bool) {
+        self.pdl.store(
+            on && self.cc >= (9, 0),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    /// Whether programmatic dependent launch is on.
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether the kernels came from the on-disk PTX cache (no NVRTC run).
@@ -432,7 +649,8 @@ impl Device {
     }
 
     /// Launches kernel `name` with `smem` bytes of dynamic shared memory (at most 48 KiB,
-    /// the amount every device grants without an opt-in).
+    /// the amount every device grants without an opt-in, except for the kernels whose limit
+    /// was raised at load: [`Device::smem_limit`]).
     pub(crate) fn launch_smem(
         &self,
         name: &str,
@@ -441,56 +659,57 @@ impl Device {
         smem: u32,
         args: &[Arg],
     ) -> Result<(), CudaError> {
-        if smem > 48 * 1024 {
+        let limit = if LARGE_SMEM.contains(&name) {
+            self.smem_optin
+        } else {
+            48 * 1024
+        };
+        if smem as usize > limit {
             return Err(CudaError::Shape(format!(
-                "{name}: {smem} bytes of shared memory (at most 48 KiB)"
+                "{name}: {smem} bytes of shared memory (at most {limit})"
             )));
         }
-        let f = self
+        let f = *self
             .funcs
             .get(name)
             .ok_or_else(|| CudaError::Driver(format!("unknown kernel {name}")))?;
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        let mut b = self.stream.launch_builder(f);
-        let mut p = Vec::with_capacity(args.len());
-        let mut i = Vec::with_capacity(args.len());
-        let mut l = Vec::with_capacity(args.len());
-        let mut fl = Vec::with_capacity(args.len());
-        for a in args {
-            match *a {
-                Arg::Ptr(v) => p.push(v),
-                Arg::I32(v) => i.push(v),
-                Arg::I64(v) => l.push(v),
-                Arg::F32(v) => fl.push(v),
-            }
-        }
-        let (mut pi, mut ii, mut li, mut fi) = (0, 0, 0, 0);
-        for a in args {
-            match a {
-                Arg::Ptr(_) => {
-                    b.arg(&p[pi]);
-                    pi += 1;
-                }
-                Arg::I32(_) => {
-                    b.arg(&i[ii]);
-                    ii += 1;
-                }
-                Arg::I64(_) => {
-                    b.arg(&l[li]);
-                    li += 1;
-                }
-                Arg::F32(_) => {
-                    b.arg(&fl[fi]);
-                    fi += 1;
-                }
-            }
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: block,
-            shared_mem_bytes: smem,
+        // The argument values, then a pointer to each in parameter order.
+        let mut vals: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(v) => v,
+                Arg::I32(v) => u64::from(v as u32),
+                Arg::I64(v) => v as u64,
+                Arg::F32(v) => u64::from(v.to_bits()),
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> = vals
+            .iter_mut()
+            .map(|v| (v as *mut u64).cast::<std::ffi::c_void>())
+            .collect();
+        // SAFETY: a zeroed attribute is a valid value of this plain C struct.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let use_pdl = self.pdl() && PDL.contains(&name);
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: if use_pdl {
+                &mut attr
+            } else {
+                std::ptr::null_mut()
+            },
+            numAttrs: u32::from(use_pdl),
         };
         let profiling = self.profile.lock().is_ok_and(|p| p.is_some());
         let t0 = if profiling {
@@ -499,9 +718,16 @@ impl Device {
         } else {
             None
         };
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| drv("binding the context", e))?;
         // SAFETY: every kernel's parameter list is the sequence of `args` given by the
-        // typed wrappers in `ops.rs`, whose buffers are sized by the same wrappers.
-        unsafe { b.launch(cfg) }.map_err(|e| drv(&format!("launching {name}"), e))?;
+        // typed wrappers in `ops.rs`, whose buffers are sized by the same wrappers; each
+        // parameter is read from the start of its 8-byte slot (little-endian: an `int` or
+        // `float` argument is the low 4 bytes); `vals`, `params` and `attr` outlive the call.
+        unsafe { sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| drv(&format!("launching {name}"), e))?;
         if let Some(t0) = t0 {
             self.sync()?;
             let dt = t0.elapsed().as_secs_f64();

@@ -7,7 +7,9 @@
 
 use crate::CudaError;
 use crate::device::{Arg, Buf, Device};
-use crate::ops::{DevActs, DevMatrix, Epilogue, i32_of, rope_tables};
+use crate::ops::{
+    ArgmaxParts, DevActs, DevMatrix, Epilogue, MvInput, MvStyle, i32_of, matvec_kernel, rope_tables,
+};
 use backend_cpu::{BlockAllocator, DEFAULT_BLOCK_SIZE, RopeTable};
 use cudarc::driver::CudaGraph;
 use engine::{BackendError, ForwardBackend, ForwardRow, KvSlot};
@@ -54,6 +56,8 @@ pub struct CudaModel {
     cos: Buf<f32>,
     sin: Buf<f32>,
     weight_bytes: usize,
+    /// Whether one-row steps can run on the matvec kernels ([`matvec_ready`]).
+    matvec_ready: bool,
 }
 
 impl std::fmt::Debug for CudaModel {
@@ -191,7 +195,7 @@ impl CudaModel {
         let (c, s) = rope_tables(&table)?;
         let cos = dev.upload(&c)?;
         let sin = dev.upload(&s)?;
-        Ok(CudaModel {
+        let mut model = CudaModel {
             dev,
             gguf,
             cfg,
@@ -203,7 +207,10 @@ impl CudaModel {
             cos,
             sin,
             weight_bytes,
-        })
+            matvec_ready: false,
+        };
+        model.matvec_ready = matvec_ready(&model);
+        Ok(model)
     }
 
     /// The model configuration.
@@ -244,6 +251,10 @@ struct Scratch {
     acts: HashMap<(ActLayout, usize), DevActs>,
     logits: Buf<f32>,
     logit_rows: usize,
+    /// Greedy choices made on the device ([`CudaBackend::forward_greedy`]), one per row.
+    ids: Buf<i32>,
+    /// The device argmax's slice results.
+    parts: ArgmaxParts,
     /// Row metadata, uploaded in one copy: positions (`rows`), the physical block each row
     /// writes (`rows`), each row's offset into the block tables (`rows`), then the tables.
     meta: Buf<i32>,
@@ -274,6 +285,8 @@ impl Scratch {
             acts: HashMap::new(),
             logits: dev.zeros(cfg.n_vocab)?,
             logit_rows: 1,
+            ids: dev.zeros(rows)?,
+            parts: ArgmaxParts::new(dev, rows)?,
             meta: dev.zeros(3 * rows + 64)?,
             generation: next_generation(),
         })
@@ -504,20 +517,99 @@ pub struct CudaBackend {
     free_slots: Vec<u32>,
     scratch: Option<Scratch>,
     use_graphs: bool,
+    opts: StepOptions,
     /// Captured forwards by shape, least recently used first.
     graphs: Vec<(GraphKey, Graph)>,
     /// Shapes seen once (captured the next time they come).
     warm_keys: Vec<GraphKey>,
 }
 
+/// Which kernels a step runs on. Every choice computes the same bits; the older ones stay
+/// selectable to measure what each newer one buys (`cuda_bench --ab`), from the environment
+/// (`LOCKSTEP_CUDA_MATVEC=0|1|2|3`, `LOCKSTEP_CUDA_ATT_TILED=0`) or
+/// [`CudaBackend::set_step_options`]; [`StepOptions::for_model`] is the default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepOptions {
+    /// One-row steps on the matvec kernels (the norm and quantizer in each projection's
+    /// prologue), instead of the general matmul with separate norm and quantize launches.
+    pub matvec: bool,
+    /// How the matvec kernels spread the layers' matrices.
+    pub layer_style: MvStyle,
+    /// How the matvec kernels spread the output head.
+    pub head_style: MvStyle,
+    /// Attention through the tiled kernel (K and V staged together, the next tile in
+    /// flight) instead of the span kernel.
+    pub attn_tiled: bool,
+}
+
+impl Default for StepOptions {
+    fn default() -> Self {
+        StepOptions::matvec_mode(3)
+    }
+}
+
+/// Weight bytes per layer from which one-row steps run on the matvec kernels by default.
+/// Measured on the H200 (2026-12-04, tg128, same call): the qwen2.5-1.5b shape (~28 MB per
+/// layer) decodes in 2.03 ms/token on them against 2.31 on the general kernels; the 0.5b
+/// (~10 MB per layer) and smollm2 (~2 MB) shapes are faster on the general kernels (1.43 vs
+/// 1.87 and 1.27 vs 1.70 ms/token): their matrices are too small to amortize each CTA's
+/// norm-and-quantize prologue.
+const MATVEC_MIN_LAYER_BYTES: usize = 16 << 20;
+
+impl StepOptions {
+    /// The matvec choice `mode` (as `LOCKSTEP_CUDA_MATVEC`): 0 the general kernels, 1 block-
+    /// parallel matvec throughout, 2 row-group matvec throughout, 3 (and anything else)
+    /// block-parallel for the layers and row groups for the output head; tiled attention.
+    pub fn matvec_mode(mode: u32) -> StepOptions {
+        let (layer_style, head_style) = match mode {
+            1 => (MvStyle::Blocks, MvStyle::Blocks),
+            2 => (MvStyle::Rows, MvStyle::Rows),
+            _ => (MvStyle::Blocks, MvStyle::Rows),
+        };
+        StepOptions {
+            matvec: mode != 0,
+            layer_style,
+            head_style,
+            attn_tiled: true,
+        }
+    }
+
+    /// The choice for `model`: matvec mode 3 when its layers hold at least
+    /// `MATVEC_MIN_LAYER_BYTES` of weights each, else mode 0 (the general kernels), as
+    /// `LOCKSTEP_CUDA_MATVEC` and `LOCKSTEP_CUDA_ATT_TILED=0` change it.
+    pub fn for_model(model: &CudaModel) -> StepOptions {
+        let layers = model.cfg.n_layer.max(1);
+        let per_layer = model.weight_bytes.saturating_sub(model.output.n_bytes()) / layers;
+        let auto = if per_layer >= MATVEC_MIN_LAYER_BYTES {
+            3
+        } else {
+            0
+        };
+        let mode = std::env::var("LOCKSTEP_CUDA_MATVEC")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(auto);
+        let mut o = StepOptions::matvec_mode(mode);
+        o.attn_tiled = std::env::var("LOCKSTEP_CUDA_ATT_TILED").map_or(true, |v| v != "0");
+        o
+    }
+}
+
+/// Bytes of shared memory the tiled attention kernel stages K and V through for steps of
+/// up to [`GRAPH_MAX_ROWS`] rows (two buffers of a K and a V tile).
+const ATT_TILE_SMEM: usize = 128 * 1024;
+/// Most keys per attention tile (`ATT_MAX_TK` in `kernels.cu`).
+const ATT_MAX_TK: usize = 256;
+
 /// Steps of at most this many rows run from captured graphs (decode, verify blocks).
 const GRAPH_MAX_ROWS: usize = 16;
 /// Captured shapes kept per backend.
 const GRAPH_CACHE: usize = 8;
 
-/// What a captured forward depends on: rows, the rows that want logits, and the
-/// generation of the scratch buffers (bumped whenever one is reallocated).
-type GraphKey = (usize, Vec<usize>, u64);
+/// What a captured forward depends on: rows, the rows that want logits, the generation of
+/// the scratch buffers (bumped whenever one is reallocated), and whether it ends with the
+/// device argmax.
+type GraphKey = (usize, Vec<usize>, u64, bool);
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -532,6 +624,7 @@ fn be(e: CudaError) -> BackendError {
 impl CudaBackend {
     /// Wraps a loaded model (the KV pool is made by [`ForwardBackend::init_kv`]).
     pub fn new(model: CudaModel) -> CudaBackend {
+        let opts = StepOptions::for_model(&model);
         CudaBackend {
             model,
             kv: None,
@@ -539,6 +632,7 @@ impl CudaBackend {
             free_slots: Vec::new(),
             scratch: None,
             use_graphs: std::env::var("LOCKSTEP_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            opts,
             graphs: Vec::new(),
             warm_keys: Vec::new(),
         }
@@ -551,6 +645,18 @@ impl CudaBackend {
         self.use_graphs = on;
         self.graphs.clear();
         self.warm_keys.clear();
+    }
+
+    /// Chooses the kernels of a step (see [`StepOptions`]); results are the same either way.
+    pub fn set_step_options(&mut self, opts: StepOptions) {
+        self.opts = opts;
+        self.graphs.clear();
+        self.warm_keys.clear();
+    }
+
+    /// The kernel choices in use.
+    pub fn step_options(&self) -> StepOptions {
+        self.opts
     }
 
     /// The model.
@@ -652,11 +758,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn run_forward(
-        &mut self,
-        rows: &[ForwardRow],
-        logits: &mut Vec<f32>,
-    ) -> Result<(), BackendError> {
+    /// Runs the forward of `rows` and leaves the logits of the rows that want them in the
+    /// scratch's logit buffer (row order), with `greedy` also each such row's argmax in the
+    /// scratch's ids; returns how many rows that is.
+    fn run_forward(&mut self, rows: &[ForwardRow], greedy: bool) -> Result<usize, BackendError> {
+        let opts = self.opts;
         let cfg = self.model.cfg.clone();
         let m = rows.len();
         let e = cfg.n_embd;
@@ -738,9 +844,8 @@ impl CudaBackend {
             toff.push(seq_off[j]);
         }
         let logit_rows: Vec<usize> = (0..m).filter(|&i| rows[i].wants_logits).collect();
-        logits.clear();
         if m == 0 {
-            return Ok(());
+            return Ok(0);
         }
         // Scratch.
         if self.scratch.as_ref().is_none_or(|s| s.rows < m) {
@@ -796,7 +901,7 @@ impl CudaBackend {
         // of the whole forward once one eager step of the same shape has run: the same
         // kernels and arguments, one launch. A few shapes are kept, the least recently
         // used dropped first.
-        let key = (m, logit_rows.clone(), s.generation);
+        let key = (m, logit_rows.clone(), s.generation, greedy);
         let kv = &*kv;
         if m <= GRAPH_MAX_ROWS && self.use_graphs {
             if let Some(i) = self.graphs.iter().position(|(k, _)| *k == key) {
@@ -812,33 +917,46 @@ impl CudaBackend {
                 if self.graphs.len() >= GRAPH_CACHE {
                     self.graphs.remove(0);
                 }
-                let g = capture(dev, model, kv, s, m, &logit_rows).map_err(be)?;
+                let g = capture(dev, model, kv, s, m, &logit_rows, opts, greedy).map_err(be)?;
                 g.0.launch()
                     .map_err(|e| be(CudaError::Driver(format!("graph launch: {e}"))))?;
                 self.graphs.push((key, g));
             } else {
-                enqueue(dev, model, kv, s, m, &logit_rows).map_err(be)?;
+                enqueue(dev, model, kv, s, m, &logit_rows, opts, greedy).map_err(be)?;
                 if self.warm_keys.len() >= GRAPH_CACHE {
                     self.warm_keys.remove(0);
                 }
                 self.warm_keys.push(key);
             }
         } else {
-            enqueue(dev, model, kv, s, m, &logit_rows).map_err(be)?;
+            enqueue(dev, model, kv, s, m, &logit_rows, opts, greedy).map_err(be)?;
         }
+        Ok(nl)
+    }
+
+    /// Greedy decoding on the device: runs the forward of `rows` and returns, for each row
+    /// that wants logits (in row order), the id of its largest logit (ties to the lowest id;
+    /// NaN never chosen), the choice the engine's greedy sampler makes on the same logits.
+    /// Only the ids cross to the host.
+    pub fn forward_greedy(&mut self, rows: &[ForwardRow]) -> Result<Vec<u32>, BackendError> {
+        let nl = self.run_forward(rows, true)?;
+        let dev = &self.model.dev;
+        let Some(s) = self.scratch.as_ref() else {
+            return Err(BackendError::Other("no scratch after a forward".into()));
+        };
         if nl == 0 {
             dev.sync().map_err(be)?;
-            return Ok(());
+            return Ok(Vec::new());
         }
-        logits.resize(nl * cfg.n_vocab, 0.0);
-        dev.read_into(&s.logits, 0, logits).map_err(be)?;
-        Ok(())
+        let ids = dev.read(&s.ids, nl).map_err(be)?;
+        Ok(ids.into_iter().map(|v| v as u32).collect())
     }
 }
 
 /// Queues the whole forward of `m` rows (inputs already in `s`) on the device stream:
 /// every layer, then the output head of `logit_rows` into `s.logits`. Allocates nothing
 /// once `s` has served a forward of the same shape, so it can be captured in a graph.
+#[allow(clippy::too_many_arguments)]
 fn enqueue(
     dev: &Device,
     model: &CudaModel,
@@ -846,15 +964,35 @@ fn enqueue(
     s: &mut Scratch,
     m: usize,
     logit_rows: &[usize],
+    opts: StepOptions,
+    greedy: bool,
+) -> Result<(), CudaError> {
+    if m == 1 && opts.matvec && model.matvec_ready {
+        enqueue_decode(dev, model, kv, s, logit_rows, opts)?;
+    } else {
+        enqueue_rows(dev, model, kv, s, m, logit_rows, opts)?;
+    }
+    let nl = logit_rows.len();
+    if greedy && nl > 0 {
+        dev.argmax_rows(&s.logits, nl, model.cfg.n_vocab, &mut s.parts, &mut s.ids)?;
+    }
+    Ok(())
+}
+
+/// [`enqueue`] of any number of rows on the general kernels.
+fn enqueue_rows(
+    dev: &Device,
+    model: &CudaModel,
+    kv: &DevKv,
+    s: &mut Scratch,
+    m: usize,
+    logit_rows: &[usize],
+    opts: StepOptions,
 ) -> Result<(), CudaError> {
     let cfg = &model.cfg;
-    let (e, hd) = (cfg.n_embd, cfg.head_dim);
+    let e = cfg.n_embd;
     let cap = s.rows;
-    let bsz = kv.bsz;
     let eps = cfg.rms_eps;
-    let neox = cfg.arch.rope_style() == backend_cpu::RopeStyle::Neox;
-    let n_kv = cfg.n_head_kv;
-    let scale = (1.0 / (hd as f64).sqrt()) as f32;
     for (li, l) in model.layers.iter().enumerate() {
         // Attention block: norm + quantize, the q/k/v projections with their biases, RoPE
         // with the cache write, attention, the output projection added to the residual.
@@ -881,54 +1019,8 @@ fn enqueue(
             ],
             m,
         )?;
-        let hp = hd / 2;
-        let per_row = (cfg.n_head + n_kv) * hp + n_kv * hd;
-        dev.launch(
-            "rope_kv",
-            (
-                u32::try_from((m * per_row).div_ceil(256)).unwrap_or(u32::MAX),
-                1,
-                1,
-            ),
-            (256, 1, 1),
-            &[
-                Arg::Ptr(dev.ptr(&s.q, 0)),
-                Arg::Ptr(dev.ptr(&s.k, 0)),
-                Arg::Ptr(dev.ptr(&s.v, 0)),
-                Arg::Ptr(dev.ptr(&kv.k[li], 0)),
-                Arg::Ptr(dev.ptr(&kv.v[li], 0)),
-                Arg::Ptr(dev.ptr(&s.meta, 0)),
-                Arg::Ptr(dev.ptr(&s.meta, s.rows)),
-                Arg::Ptr(dev.ptr(&model.cos, 0)),
-                Arg::Ptr(dev.ptr(&model.sin, 0)),
-                Arg::I32(m as i32),
-                Arg::I32(cfg.n_head as i32),
-                Arg::I32(n_kv as i32),
-                Arg::I32(hd as i32),
-                Arg::I32(cfg.n_rot as i32),
-                Arg::I32(i32::from(neox)),
-                Arg::I32(bsz as i32),
-            ],
-        )?;
-        dev.launch(
-            "attention",
-            (u32::try_from(m * cfg.n_head).unwrap_or(u32::MAX), 1, 1),
-            (ATT_THREADS, 1, 1),
-            &[
-                Arg::Ptr(dev.ptr(&s.q, 0)),
-                Arg::Ptr(dev.ptr(&kv.k[li], 0)),
-                Arg::Ptr(dev.ptr(&kv.v[li], 0)),
-                Arg::Ptr(dev.ptr(&s.attn, 0)),
-                Arg::Ptr(dev.ptr(&s.meta, 0)),
-                Arg::Ptr(dev.ptr(&s.meta, 2 * s.rows)),
-                Arg::Ptr(dev.ptr(&s.meta, 3 * s.rows)),
-                Arg::I32(cfg.n_head as i32),
-                Arg::I32(n_kv as i32),
-                Arg::I32(hd as i32),
-                Arg::I32(bsz as i32),
-                Arg::F32(scale),
-            ],
-        )?;
+        rope_kv(dev, model, kv, s, li, m)?;
+        attention(dev, model, kv, s, li, m, opts.attn_tiled)?;
         quantize_for(dev, &mut s.acts, cap, &[&l.wo], &s.attn, m)?;
         residual(dev, &s.acts, &l.wo, &s.attn, &mut s.x, &mut s.proj, m)?;
         // Feed-forward block: norm + quantize, gate and up with SwiGLU, down added to the
@@ -988,6 +1080,202 @@ fn enqueue(
     Ok(())
 }
 
+/// RoPE of the step's q and k rows with the K/V cache write of layer `li` (one launch).
+fn rope_kv(
+    dev: &Device,
+    model: &CudaModel,
+    kv: &DevKv,
+    s: &Scratch,
+    li: usize,
+    m: usize,
+) -> Result<(), CudaError> {
+    let cfg = &model.cfg;
+    let (hd, n_kv) = (cfg.head_dim, cfg.n_head_kv);
+    let neox = cfg.arch.rope_style() == backend_cpu::RopeStyle::Neox;
+    let hp = hd / 2;
+    let per_row = (cfg.n_head + n_kv) * hp + n_kv * hd;
+    dev.launch(
+        "rope_kv",
+        (
+            u32::try_from((m * per_row).div_ceil(256)).unwrap_or(u32::MAX),
+            1,
+            1,
+        ),
+        (256, 1, 1),
+        &[
+            Arg::Ptr(dev.ptr(&s.q, 0)),
+            Arg::Ptr(dev.ptr(&s.k, 0)),
+            Arg::Ptr(dev.ptr(&s.v, 0)),
+            Arg::Ptr(dev.ptr(&kv.k[li], 0)),
+            Arg::Ptr(dev.ptr(&kv.v[li], 0)),
+            Arg::Ptr(dev.ptr(&s.meta, 0)),
+            Arg::Ptr(dev.ptr(&s.meta, s.rows)),
+            Arg::Ptr(dev.ptr(&model.cos, 0)),
+            Arg::Ptr(dev.ptr(&model.sin, 0)),
+            Arg::I32(m as i32),
+            Arg::I32(cfg.n_head as i32),
+            Arg::I32(n_kv as i32),
+            Arg::I32(hd as i32),
+            Arg::I32(cfg.n_rot as i32),
+            Arg::I32(i32::from(neox)),
+            Arg::I32(kv.bsz as i32),
+        ],
+    )
+}
+
+/// Keys per tile of the tiled attention kernel: whole KV blocks, both buffers of K and V
+/// tiles within `ATT_TILE_SMEM` bytes for steps of up to [`GRAPH_MAX_ROWS`] rows (few
+/// CTAs, long tiles), a quarter of that for larger steps (many CTAs per multiprocessor);
+/// at most `ATT_MAX_TK` (`kernels.cu`). The tile size never changes a result.
+fn attention_tile(hd: usize, bsz: usize, m: usize, limit: usize) -> usize {
+    let budget = if m <= GRAPH_MAX_ROWS {
+        ATT_TILE_SMEM
+    } else {
+        ATT_TILE_SMEM / 4
+    }
+    .min(limit);
+    let keys = (budget / (8 * hd)).min(ATT_MAX_TK);
+    (keys / bsz * bsz).max(bsz)
+}
+
+/// Attention of the step's rows over layer `li`'s cache into `s.attn`: the tiled kernel,
+/// or with `tiled` off the span kernel (the same bits either way).
+fn attention(
+    dev: &Device,
+    model: &CudaModel,
+    kv: &DevKv,
+    s: &Scratch,
+    li: usize,
+    m: usize,
+    tiled: bool,
+) -> Result<(), CudaError> {
+    let cfg = &model.cfg;
+    let hd = cfg.head_dim;
+    let scale = (1.0 / (hd as f64).sqrt()) as f32;
+    let mut args = vec![
+        Arg::Ptr(dev.ptr(&s.q, 0)),
+        Arg::Ptr(dev.ptr(&kv.k[li], 0)),
+        Arg::Ptr(dev.ptr(&kv.v[li], 0)),
+        Arg::Ptr(dev.ptr(&s.attn, 0)),
+        Arg::Ptr(dev.ptr(&s.meta, 0)),
+        Arg::Ptr(dev.ptr(&s.meta, 2 * s.rows)),
+        Arg::Ptr(dev.ptr(&s.meta, 3 * s.rows)),
+        Arg::I32(cfg.n_head as i32),
+        Arg::I32(cfg.n_head_kv as i32),
+        Arg::I32(hd as i32),
+        Arg::I32(kv.bsz as i32),
+        Arg::F32(scale),
+    ];
+    let grid = (u32::try_from(m * cfg.n_head).unwrap_or(u32::MAX), 1, 1);
+    if !tiled {
+        return dev.launch("attention", grid, (ATT_THREADS, 1, 1), &args);
+    }
+    let tk = attention_tile(hd, kv.bsz, m, dev.smem_limit());
+    args.push(Arg::I32(tk as i32));
+    dev.launch_smem(
+        "attention_tiled",
+        grid,
+        (ATT_THREADS, 1, 1),
+        u32::try_from(8 * tk * hd).unwrap_or(u32::MAX),
+        &args,
+    )
+}
+
+/// The matvec launches of one projection of the decode step: one when the formats allow
+/// ([`matvec_kernel`]), else one per format.
+fn mv_groups(ws: &[&DevMatrix]) -> Vec<Vec<usize>> {
+    let formats: Vec<Format> = ws.iter().map(|w| w.format).collect();
+    if matvec_kernel(&formats).is_some() {
+        return vec![(0..ws.len()).collect()];
+    }
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for (i, w) in ws.iter().enumerate() {
+        match groups.iter_mut().find(|g| ws[g[0]].format == w.format) {
+            Some(g) => g.push(i),
+            None => groups.push(vec![i]),
+        }
+    }
+    groups
+}
+
+/// Whether every decode-step product of `model` runs on the matvec kernels: every matrix
+/// quantized in a format they take, q/k/v sharing an activation layout, gate and up of
+/// one format and shape.
+fn matvec_ready(model: &CudaModel) -> bool {
+    let ok = |w: &DevMatrix| matvec_kernel(&[w.format]).is_some();
+    model.layers.iter().all(|l| {
+        [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
+            .iter()
+            .all(|w| ok(w))
+            && l.wk.format.act_layout() == l.wq.format.act_layout()
+            && l.wv.format.act_layout() == l.wq.format.act_layout()
+            && l.gate.format == l.up.format
+            && l.gate.n == l.up.n
+    }) && ok(&model.output)
+}
+
+/// Queues the forward of one row (a decode step) on the matvec kernels: each projection
+/// makes its activation row itself (the RMSNorm and quantizer in its prologue), so a layer
+/// is at most six launches (q/k/v, RoPE + cache write, attention, output projection + residual,
+/// gate/up + SwiGLU, down + residual). The same operations as [`enqueue`], so the same bits.
+fn enqueue_decode(
+    dev: &Device,
+    model: &CudaModel,
+    kv: &DevKv,
+    s: &mut Scratch,
+    logit_rows: &[usize],
+    opts: StepOptions,
+) -> Result<(), CudaError> {
+    let cfg = &model.cfg;
+    let eps = cfg.rms_eps;
+    let xp = dev.ptr(&s.x, 0);
+    for (li, l) in model.layers.iter().enumerate() {
+        let ws = [&l.wq, &l.wk, &l.wv];
+        let outs = [dev.ptr(&s.q, 0), dev.ptr(&s.k, 0), dev.ptr(&s.v, 0)];
+        let biases = [l.bq.as_ref(), l.bk.as_ref(), l.bv.as_ref()];
+        for g in mv_groups(&ws) {
+            let jobs: Vec<(&DevMatrix, u64, Option<&Buf<f32>>)> =
+                g.iter().map(|&i| (ws[i], outs[i], biases[i])).collect();
+            dev.matvec(
+                &jobs,
+                MvInput::Row(xp, Some((&l.attn_norm, eps))),
+                Epilogue::Store,
+                opts.layer_style,
+            )?;
+        }
+        rope_kv(dev, model, kv, s, li, 1)?;
+        attention(dev, model, kv, s, li, 1, opts.attn_tiled)?;
+        dev.matvec(
+            &[(&l.wo, xp, None)],
+            MvInput::Row(dev.ptr(&s.attn, 0), None),
+            Epilogue::Accumulate,
+            opts.layer_style,
+        )?;
+        dev.matvec(
+            &[(&l.gate, dev.ptr(&s.gate, 0), None), (&l.up, 0, None)],
+            MvInput::Row(xp, Some((&l.ffn_norm, eps))),
+            Epilogue::SwiGlu,
+            opts.layer_style,
+        )?;
+        dev.matvec(
+            &[(&l.down, xp, None)],
+            MvInput::Row(dev.ptr(&s.gate, 0), None),
+            Epilogue::Accumulate,
+            opts.layer_style,
+        )?;
+    }
+    let e = cfg.n_embd;
+    for (i, &r) in logit_rows.iter().enumerate() {
+        dev.matvec(
+            &[(&model.output, dev.ptr(&s.logits, i * cfg.n_vocab), None)],
+            MvInput::Row(dev.ptr(&s.x, r * e), Some((&model.output_norm, eps))),
+            Epilogue::Store,
+            opts.head_style,
+        )?;
+    }
+    Ok(())
+}
+
 /// A captured forward (`CUgraphExec`), replayed on the device stream.
 struct Graph(CudaGraph);
 
@@ -997,6 +1285,7 @@ struct Graph(CudaGraph);
 unsafe impl Send for Graph {}
 
 /// Captures [`enqueue`] into a graph (the stream is back to normal whatever happens).
+#[allow(clippy::too_many_arguments)]
 fn capture(
     dev: &Device,
     model: &CudaModel,
@@ -1004,6 +1293,8 @@ fn capture(
     s: &mut Scratch,
     m: usize,
     logit_rows: &[usize],
+    opts: StepOptions,
+    greedy: bool,
 ) -> Result<Graph, CudaError> {
     let stream = dev.stream();
     stream
@@ -1011,7 +1302,7 @@ fn capture(
             cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         )
         .map_err(|e| CudaError::Driver(format!("begin capture: {e}")))?;
-    let queued = enqueue(dev, model, kv, s, m, logit_rows);
+    let queued = enqueue(dev, model, kv, s, m, logit_rows, opts, greedy);
     let graph = stream.end_capture(
         cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
     );
@@ -1176,7 +1467,17 @@ impl ForwardBackend for CudaBackend {
     }
 
     fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        self.run_forward(rows, logits)
+        let nl = self.run_forward(rows, false)?;
+        let dev = &self.model.dev;
+        logits.clear();
+        let Some(s) = self.scratch.as_ref() else {
+            return Err(BackendError::Other("no scratch after a forward".into()));
+        };
+        if nl == 0 {
+            return dev.sync().map_err(be);
+        }
+        logits.resize(nl * self.model.cfg.n_vocab, 0.0);
+        dev.read_into(&s.logits, 0, logits).map_err(be)
     }
 }
 

@@ -80,6 +80,21 @@ __device__ __forceinline__ u32 ld_u32(const u8* p) {
 
 __device__ __forceinline__ float pow2i(int k) { return __uint_as_float(((u32)(k + 127)) << 23); }
 
+// Programmatic dependent launch (compute capability 9.0+; nothing before): pdl_trigger lets
+// the next kernel's launch begin, pdl_wait waits until the kernel before has finished and its
+// writes are visible. A kernel launched with the attribute (device.rs `PDL`) reads nothing
+// an earlier kernel wrote before its pdl_wait.
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // canon::exp
 __device__ __forceinline__ float canon_exp(float x) {
     if (x != x) return x;
@@ -267,6 +282,25 @@ template <int F> __device__ __forceinline__ float block_m(const u8* b) {
         case F_Q2_K: return ld_f16(b + 82);
         default: return 0.0f;
     }
+}
+
+// canon::dot(x, x) of one row for RMSNorm, in every lane of the warp: 16 lane chains
+// (element i in lane i % 16, in order, loads issued eight at a time), then tree16.
+__device__ __forceinline__ float row_sumsq(const float* xr, int n, int lane) {
+    float l = 0.0f;
+    if (lane < 16) {
+        int i = lane;
+        for (; i + 16 * 7 < n; i += 16 * 8) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = xr[i + 16 * u];
+#pragma unroll
+            for (int u = 0; u < 8; u++) l = fmaf(v[u], v[u], l);
+        }
+        for (; i < n; i += 16) l = fmaf(xr[i], xr[i], l);
+    }
+    float ss = tree16(l);
+    return __shfl_sync(0xffffffffu, ss, 0);
 }
 
 // ---- quantized matmul ---------------------------------------------------------------
@@ -583,6 +617,551 @@ MATMUL(matmul_q4_k, F_Q4_K)
 MATMUL(matmul_q5_k, F_Q5_K)
 MATMUL(matmul_q6_k, F_Q6_K)
 
+// ---- matrix-vector products (one activation row: decode) ------------------------------
+//
+// The same canonical arithmetic as matmul_q_impl with MT = 1 (per weight row: exact integer
+// block sums, then the float steps block by block in order), organised for one row:
+//   - each weight row belongs to one group of GL lanes, which runs its blocks in order and
+//     reduces each block's integer sums inside the group: no broadcast of block sums across
+//     the warp, G = 32 / GL rows per warp at a time;
+//   - up to three matrices of quantized formats sharing one block length in one launch (q,
+//     k, v of a Q4_K_M file are Q4_K, Q4_K, Q6_K);
+//   - the CTA makes the activation row itself in its prologue: from the f32 row `x` (staged
+//     in shared memory), optionally RMS-normalized with weight `nw` first (the operations of
+//     norm_quant and quantize_acts, so every CTA gets the bits those kernels write), or
+//     copies pre-quantized codes when `x` is null;
+//   - persistent warps: warp gw of GW takes row groups gw, gw + GW, ..., each in units of
+//     up to cb blocks per row staged through a ring of two shared buffers with cp.async, the
+//     next unit's copy in flight while the current one is computed. The first two units are
+//     issued before the kernel waits for the one before it (programmatic dependent launch),
+//     so weight reads overlap the previous kernel's tail and this one's prologue.
+// mode & 3: 0 store (+ bias), 1 accumulate into the output (residual), 2 gate/up pair
+// (w0 gate, w1 up, out = silu(gate) * up). The benchmark's unordered flag (mode & 4) does not
+// apply: a row's blocks run in order in one lane group at no extra cost.
+
+__device__ __forceinline__ int fmt_bl(int f) { return f >= F_Q2_K ? 256 : 32; }
+__device__ __forceinline__ int fmt_bb(int f) {
+    switch (f) {
+        case F_Q4_0: return 18;
+        case F_Q4_1: return 20;
+        case F_Q5_0: return 22;
+        case F_Q5_1: return 24;
+        case F_Q8_0: return 34;
+        case F_Q2_K: return 84;
+        case F_Q3_K: return 110;
+        case F_Q4_K: return 144;
+        case F_Q5_K: return 176;
+        default: return 210;
+    }
+}
+
+// One staged unit of a lane group's row: cn blocks starting at block bbase, in block order,
+// into acc (acc2: the up row of a pair). The GL lanes of the group split each block's
+// values (exact integer sums, reduced inside the group), then every lane of the group runs
+// the block's float step.
+template <int F, int PAIR>
+__device__ __forceinline__ void mv_rows(const u8* s0, const u8* s1, int cn, int bbase, const i8* sq,
+                                        const float* sd, float& acc, float& acc2) {
+    const int BL = Meta<F>::BL, BB = Meta<F>::BB, SL = Meta<F>::SL;
+    const int GL = BL == 32 ? 4 : 8;
+    const int EPL = BL / GL;
+    const int SEG = EPL < SL ? EPL : SL;
+    const int NSEG = EPL / SEG;
+    const bool MIN1 = F == F_Q4_1 || F == F_Q5_1;
+    const bool MINK = F == F_Q2_K || F == F_Q4_K || F == F_Q5_K;
+    int gl = (threadIdx.x & 31) % GL;
+    for (int q = 0; q < cn; q++) {
+        int b = bbase + q;
+        float da = sd[b];
+#pragma unroll
+        for (int half = 0; half < (PAIR ? 2 : 1); half++) {
+            const u8* blk = (half ? s1 : s0) + (size_t)q * BB;
+            int isum = 0, msum = 0;
+#pragma unroll
+            for (int sg = 0; sg < NSEG; sg++) {
+                int e0 = gl * EPL + sg * SEG;
+                int sc, mn;
+                sub_scale<F>(blk, e0 / SL, &sc, &mn);
+                int cw[SEG / 4];
+#pragma unroll
+                for (int w4 = 0; w4 < SEG / 4; w4++) cw[w4] = codes4<F>(blk, e0 + 4 * w4);
+                const int* a4 = (const int*)(sq + (size_t)b * BL + e0);
+                int dot = 0, asum = 0;
+#pragma unroll
+                for (int w4 = 0; w4 < SEG / 4; w4++) {
+                    int av = a4[w4];
+                    dot = __dp4a(cw[w4], av, dot);
+                    if (Off<F>::V || MIN1 || MINK) asum = __dp4a(0x01010101, av, asum);
+                }
+                if (Off<F>::V) dot -= Off<F>::V * asum;
+                isum += sc * dot;
+                msum += MIN1 ? asum : mn * asum;
+            }
+#pragma unroll
+            for (int o = GL / 2; o > 0; o >>= 1) {
+                isum += __shfl_xor_sync(0xffffffffu, isum, o);
+                if (MIN1 || MINK) msum += __shfl_xor_sync(0xffffffffu, msum, o);
+            }
+            float& a = half ? acc2 : acc;
+            a = block_step<F>(a, block_d<F>(blk), block_m<F>(blk), da, isum, msum);
+        }
+    }
+}
+
+// The block-parallel matvec (rows of few, long blocks: each warp one row at a time, GL
+// lanes per block and G = 32 / GL blocks of the row in flight, the float steps broadcast
+// across the warp in block order, as matmul_q_impl).
+// One staged unit (cn blocks starting at block bbase of the row) into acc (acc2: the up row
+// of a pair).
+template <int F, int PAIR>
+__device__ __forceinline__ void mv_unit(const u8* s0, const u8* s1, int cn, int bbase, const i8* sq,
+                                        const float* sd, int unordered, float& acc, float& acc2) {
+    const int BL = Meta<F>::BL, BB = Meta<F>::BB, SL = Meta<F>::SL;
+    const int GL = BL == 32 ? 4 : 8;
+    const int G = 32 / GL;
+    const int EPL = BL / GL;
+    const int SEG = EPL < SL ? EPL : SL;
+    const int NSEG = EPL / SEG;
+    const bool MIN1 = F == F_Q4_1 || F == F_Q5_1;
+    const bool MINK = F == F_Q2_K || F == F_Q4_K || F == F_Q5_K;
+    int lane = threadIdx.x & 31, g = lane / GL, gl = lane % GL;
+    for (int q0 = 0; q0 < cn; q0 += G) {
+        int qb = q0 + g;
+        int b = bbase + qb;
+        bool valid = qb < cn;
+#pragma unroll
+        for (int half = 0; half < (PAIR ? 2 : 1); half++) {
+            const u8* blk = (half ? s1 : s0) + (size_t)qb * BB;
+            int isum = 0, msum = 0;
+            float d = 0.0f, mm = 0.0f;
+            if (valid) {
+#pragma unroll
+                for (int sg = 0; sg < NSEG; sg++) {
+                    int e0 = gl * EPL + sg * SEG;
+                    int sc, mn;
+                    sub_scale<F>(blk, e0 / SL, &sc, &mn);
+                    int cw[SEG / 4];
+#pragma unroll
+                    for (int w4 = 0; w4 < SEG / 4; w4++) cw[w4] = codes4<F>(blk, e0 + 4 * w4);
+                    const int* a4 = (const int*)(sq + (size_t)b * BL + e0);
+                    int dot = 0, asum = 0;
+#pragma unroll
+                    for (int w4 = 0; w4 < SEG / 4; w4++) {
+                        int av = a4[w4];
+                        dot = __dp4a(cw[w4], av, dot);
+                        asum = __dp4a(0x01010101, av, asum);
+                    }
+                    if (Off<F>::V) dot -= Off<F>::V * asum;
+                    isum += sc * dot;
+                    msum += MIN1 ? asum : mn * asum;
+                }
+                d = block_d<F>(blk);
+                mm = block_m<F>(blk);
+            }
+#pragma unroll
+            for (int o = GL / 2; o > 0; o >>= 1) {
+                isum += __shfl_xor_sync(0xffffffffu, isum, o);
+                if (MIN1 || MINK) msum += __shfl_xor_sync(0xffffffffu, msum, o);
+            }
+            float& a = half ? acc2 : acc;
+            if (unordered) {
+                if (valid) a = block_step<F>(a, d, mm, sd[b], isum, msum);
+                continue;
+            }
+#pragma unroll
+            for (int gg = 0; gg < G; gg++) {
+                int src = gg * GL;
+                float dg = __shfl_sync(0xffffffffu, d, src);
+                float mg = __shfl_sync(0xffffffffu, mm, src);
+                int is = __shfl_sync(0xffffffffu, isum, src);
+                int ms = __shfl_sync(0xffffffffu, msum, src);
+                if (q0 + gg < cn) a = block_step<F>(a, dg, mg, sd[b - g + gg], is, ms);
+            }
+        }
+    }
+}
+
+template <int FA, int FB, int PAIR>
+__device__ __forceinline__ void matvec_impl_b(const u8* w0, const u8* w1, const u8* w2, int f0, int f1,
+                                            int f2, int n0, int n1, int n2, float* o0, float* o1,
+                                            float* o2, const float* b0, const float* b1,
+                                            const float* b2, const float* x, const float* nw, float eps,
+                                            const i8* qs, const float* ad, int k, int bla, int mode,
+                                            int sb) {
+    extern __shared__ __align__(16) u8 smem[];
+    __shared__ float s_inv;
+    const int nwarps = blockDim.x >> 5;
+    int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int unordered = (mode & 4) != 0;
+    int acc_mode = mode & 3;
+    int nba = k / bla;
+    i8* sq = (i8*)smem;
+    float* sd = (float*)(smem + ((k + 15) & ~15));
+    float* sx = (float*)(smem + ((k + 15) & ~15) + ((nba * 4 + 15) & ~15));
+    int sa = ((k + 15) & ~15) + ((nba * 4 + 15) & ~15) + (x ? 4 * k : 0);
+    u8* ring = smem + sa + (size_t)wib * sb * 2 * (PAIR ? 2 : 1);
+    int total = PAIR ? n0 : n0 + n1 + n2;
+    int gw = blockIdx.x * nwarps + wib, GW = gridDim.x * nwarps;
+    // Row t of the launch: matrix, row inside it, format, blocks per unit, units per row.
+    auto locate = [&](int t, const u8*& w, int& f, int& j, int& cb, int& nu) {
+        if (PAIR || t < n0) { w = w0; f = f0; j = t; }
+        else if (t < n0 + n1) { w = w1; f = f1; j = t - n0; }
+        else { w = w2; f = f2; j = t - n0 - n1; }
+        int bb = fmt_bb(f);
+        cb = (sb - 32) / bb;
+        int nb = k / fmt_bl(f);
+        nu = (nb + cb - 1) / cb;
+        w += (size_t)j * nb * bb;
+    };
+    auto issue = [&](int t, int c, int slot) {
+        if (t < total) {
+            const u8* w;
+            int f, j, cb, nu;
+            locate(t, w, f, j, cb, nu);
+            int bb = fmt_bb(f), nb = k / fmt_bl(f);
+            int c0 = c * cb, cn = min(cb, nb - c0);
+            u8* dst = ring + (size_t)slot * sb * (PAIR ? 2 : 1);
+            stage_issue(dst, w + (size_t)c0 * bb, cn * bb, lane);
+            if (PAIR) stage_issue(dst + sb, w1 + (w - w0) + (size_t)c0 * bb, cn * bb, lane);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    auto next = [&](int& t, int& c) {
+        if (t >= total) return;
+        const u8* w;
+        int f, j, cb, nu;
+        locate(t, w, f, j, cb, nu);
+        if (c + 1 < nu) c++;
+        else { t += GW; c = 0; }
+    };
+    // The first two weight units (weights only: before waiting for the kernel before),
+    // then the input row (f32, 16-byte aligned, k a multiple of 4) or its codes.
+    pdl_trigger();
+    int t = gw, c = 0;
+    int t1 = t, c1 = c;
+    next(t1, c1);
+    issue(t, c, 0);
+    issue(t1, c1, 1);
+    pdl_wait();
+    if (x) {
+        for (int i = threadIdx.x; i < k / 4; i += blockDim.x) cp_async16(sx + 4 * i, x + 4 * i);
+    } else {
+        for (int i = threadIdx.x; i < k / 16; i += blockDim.x) cp_async16(sq + 16 * i, qs + 16 * i);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+    if (x) {
+        float inv = 0.0f;
+        if (nw) {
+            if (wib == 0) {
+                float ss = row_sumsq(sx, k, lane);
+                float mean = __fdiv_rn(ss, (float)k);
+                float iv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+                if (lane == 0) s_inv = iv;
+            }
+            __syncthreads();
+            inv = s_inv;
+        }
+        for (int b = wib; b < nba; b += nwarps) {
+            const float* xb = sx + (size_t)b * bla;
+            float v[8];
+            u32 amax = 0;
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                int i = lane + 32 * u;
+                if (i < bla) {
+                    float y = xb[i];
+                    if (nw) y = __fmul_rn(__fmul_rn(y, inv), nw[(size_t)b * bla + i]);
+                    v[u] = y;
+                    amax = max(amax, __float_as_uint(y) & 0x7fffffffu);
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            float a = __uint_as_float(amax);
+            float dd = __fdiv_rn(a, 127.0f);
+            float id = a == 0.0f ? 0.0f : __fdiv_rn(127.0f, a);
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                int i = lane + 32 * u;
+                if (i < bla) {
+                    float y = __fmul_rn(v[u], id);
+                    y = y < 127.0f ? y : 127.0f;
+                    y = y > -127.0f ? y : -127.0f;
+                    sq[(size_t)b * bla + i] = (i8)(int)rintf(y);
+                }
+            }
+            if (lane == 0) sd[b] = dd;
+        }
+    } else {
+        for (int i = threadIdx.x; i < nba; i += blockDim.x) sd[i] = ad[i];
+    }
+    __syncthreads();
+    float acc = 0.0f, acc2 = 0.0f;
+    int slot = 0;
+    while (t < total) {
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncwarp();
+        const u8* w;
+        int f, j, cb, nu;
+        locate(t, w, f, j, cb, nu);
+        int bb = fmt_bb(f), nb = k / fmt_bl(f);
+        int c0 = c * cb, cn = min(cb, nb - c0);
+        const u8* src = w + (size_t)c0 * bb;
+        int off = (int)((size_t)src & 15);
+        const u8* s0 = ring + (size_t)slot * sb * (PAIR ? 2 : 1) + off;
+        const u8* s1 = s0 + sb;
+        if (PAIR) s1 = ring + (size_t)slot * sb * 2 + sb + (int)((size_t)(w1 + (w - w0) + (size_t)c0 * bb) & 15);
+        if (FA == FB || f == FA) mv_unit<FA, PAIR>(s0, s1, cn, c0, sq, sd, unordered, acc, acc2);
+        else mv_unit<FB, PAIR>(s0, s1, cn, c0, sq, sd, unordered, acc, acc2);
+        if (c + 1 == nu) {
+            if (unordered) {
+                int gl = fmt_bl(f) == 32 ? 4 : 8;
+                for (int o = gl; o < 32; o <<= 1) {
+                    acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+                    acc2 = __fadd_rn(acc2, __shfl_xor_sync(0xffffffffu, acc2, o));
+                }
+            }
+            if (lane == 0) {
+                float* out = PAIR || t < n0 ? o0 : (t < n0 + n1 ? o1 : o2);
+                const float* bias = PAIR || t < n0 ? b0 : (t < n0 + n1 ? b1 : b2);
+                float vv = acc;
+                if (PAIR) {
+                    vv = __fmul_rn(canon_silu(acc), acc2);
+                } else {
+                    if (bias) vv = __fadd_rn(vv, bias[j]);
+                    if (acc_mode == 1) vv = __fadd_rn(out[j], vv);
+                }
+                out[j] = vv;
+            }
+            acc = 0.0f;
+            acc2 = 0.0f;
+        }
+        __syncwarp();
+        // The unit two ahead goes into the buffer just read.
+        int t2 = t1, c2 = c1;
+        next(t2, c2);
+        issue(t2, c2, slot);
+        t = t1; c = c1;
+        t1 = t2; c1 = c2;
+        slot ^= 1;
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+
+#define MV_THREADS 256
+
+// The matvec kernel body. Lanes: groups of GL (4 for 32-value blocks, 8 for 256-value
+// blocks), each group one weight row (G = 32 / GL rows per warp at a time); a warp's unit is
+// G consecutive rows of one matrix, cb blocks of each (rows longer than a unit take
+// several, in block order). Units go through a ring of two shared buffers per warp (G row
+// chunks of rs bytes each, twice for a gate/up pair).
+// Element i of a three-element array with constant indices only (no local memory).
+#define PICK(a, i) ((i) == 0 ? (a)[0] : ((i) == 1 ? (a)[1] : (a)[2]))
+
+template <int FA, int FB, int PAIR>
+__device__ __forceinline__ void matvec_impl(const u8* w0, const u8* w1, const u8* w2, int f0, int f1,
+                                            int f2, int n0, int n1, int n2, float* o0, float* o1,
+                                            float* o2, const float* b0, const float* b1,
+                                            const float* b2, const float* x, const float* nw, float eps,
+                                            const i8* qs, const float* ad, int k, int bla, int mode,
+                                            int rs) {
+    extern __shared__ __align__(16) u8 smem[];
+    __shared__ float s_inv;
+    const int nwarps = blockDim.x >> 5;
+    const int GL = Meta<FA>::BL == 32 ? 4 : 8;  // FB has the same block length
+    const int G = 32 / GL;
+    int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int grp = lane / GL, gl = lane % GL;
+    int acc_mode = mode & 3;
+    int nba = k / bla;
+    // Shared memory: codes (k), scales (k / bla), with an f32 input row the row itself (k
+    // floats), then each warp's ring.
+    i8* sq = (i8*)smem;
+    float* sd = (float*)(smem + ((k + 15) & ~15));
+    float* sx = (float*)(smem + ((k + 15) & ~15) + ((nba * 4 + 15) & ~15));
+    int sa = ((k + 15) & ~15) + ((nba * 4 + 15) & ~15) + (x ? 4 * k : 0);
+    const int ub = G * rs * (PAIR ? 2 : 1);  // bytes of one unit
+    u8* ring = smem + sa + (size_t)wib * ub * 2;
+    // Per matrix: format, blocks per row, row bytes, blocks per unit, units per row, row groups.
+    int nm = PAIR ? 1 : (n2 > 0 ? 3 : (n1 > 0 ? 2 : 1));
+    int fm[3] = {f0, f1, f2}, nn[3] = {n0, n1, n2};
+    int nbm[3], rbm[3], cbm[3], num[3], ngm[3];
+#pragma unroll
+    for (int i = 0; i < 3; i++) {
+        int bb = fmt_bb(fm[i]);
+        nbm[i] = k / fmt_bl(fm[i]);
+        rbm[i] = nbm[i] * bb;
+        cbm[i] = (rs - 32) / bb;
+        num[i] = (nbm[i] + cbm[i] - 1) / cbm[i];
+        ngm[i] = i < nm ? (nn[i] + G - 1) / G : 0;
+    }
+    int total = ngm[0] + ngm[1] + ngm[2];  // row groups
+    int gw = blockIdx.x * nwarps + wib, GW = gridDim.x * nwarps;
+    // Row group t: its matrix i and first row j0.
+    auto locate = [&](int t, int& i, int& j0) {
+        i = t < ngm[0] ? 0 : (t < ngm[0] + ngm[1] ? 1 : 2);
+        j0 = (t - (i == 0 ? 0 : (i == 1 ? ngm[0] : ngm[0] + ngm[1]))) * G;
+    };
+    const u8* wm[3] = {w0, w1, w2};
+    auto issue = [&](int t, int c, int slot) {
+        if (t < total) {
+            int i, j0;
+            locate(t, i, j0);
+            int bb = fmt_bb(PICK(fm, i));
+            int c0 = c * PICK(cbm, i), cn = min(PICK(cbm, i), PICK(nbm, i) - c0);
+            u8* dst = ring + (size_t)slot * ub;
+            for (int g = 0; g < G && j0 + g < PICK(nn, i); g++) {
+                size_t o = (size_t)(j0 + g) * PICK(rbm, i) + (size_t)c0 * bb;
+                stage_issue(dst + g * rs, PICK(wm, i) + o, cn * bb, lane);
+                if (PAIR) stage_issue(dst + (G + g) * rs, w1 + o, cn * bb, lane);
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    auto next = [&](int& t, int& c) {
+        if (t >= total) return;
+        int i, j0;
+        locate(t, i, j0);
+        if (c + 1 < PICK(num, i)) c++;
+        else { t += GW; c = 0; }
+    };
+    // The first two weight units (weights only: before waiting for the kernel before),
+    // then the input row (f32, 16-byte aligned, k a multiple of 4) or its codes.
+    pdl_trigger();
+    int t = gw, c = 0;
+    int t1 = t, c1 = c;
+    next(t1, c1);
+    issue(t, c, 0);
+    issue(t1, c1, 1);
+    pdl_wait();
+    if (x) {
+        for (int i = threadIdx.x; i < k / 4; i += blockDim.x) cp_async16(sx + 4 * i, x + 4 * i);
+    } else {
+        for (int i = threadIdx.x; i < k / 16; i += blockDim.x) cp_async16(sq + 16 * i, qs + 16 * i);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+    if (x) {
+        float inv = 0.0f;
+        if (nw) {
+            if (wib == 0) {
+                float ss = row_sumsq(sx, k, lane);
+                float mean = __fdiv_rn(ss, (float)k);
+                float iv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+                if (lane == 0) s_inv = iv;
+            }
+            __syncthreads();
+            inv = s_inv;
+        }
+        for (int b = wib; b < nba; b += nwarps) {
+            const float* xb = sx + (size_t)b * bla;
+            float v[8];
+            u32 amax = 0;
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                int i = lane + 32 * u;
+                if (i < bla) {
+                    float y = xb[i];
+                    if (nw) y = __fmul_rn(__fmul_rn(y, inv), nw[(size_t)b * bla + i]);
+                    v[u] = y;
+                    amax = max(amax, __float_as_uint(y) & 0x7fffffffu);
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            float a = __uint_as_float(amax);
+            float dd = __fdiv_rn(a, 127.0f);
+            float id = a == 0.0f ? 0.0f : __fdiv_rn(127.0f, a);
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                int i = lane + 32 * u;
+                if (i < bla) {
+                    float y = __fmul_rn(v[u], id);
+                    y = y < 127.0f ? y : 127.0f;
+                    y = y > -127.0f ? y : -127.0f;
+                    sq[(size_t)b * bla + i] = (i8)(int)rintf(y);
+                }
+            }
+            if (lane == 0) sd[b] = dd;
+        }
+    } else {
+        for (int i = threadIdx.x; i < nba; i += blockDim.x) sd[i] = ad[i];
+    }
+    __syncthreads();
+    float acc = 0.0f, acc2 = 0.0f;
+    int slot = 0;
+    while (t < total) {
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncwarp();
+        int i, j0;
+        locate(t, i, j0);
+        int f = PICK(fm, i), bb = fmt_bb(f);
+        int c0 = c * PICK(cbm, i), cn = min(PICK(cbm, i), PICK(nbm, i) - c0);
+        int row = j0 + grp;
+        size_t o = (size_t)min(row, PICK(nn, i) - 1) * PICK(rbm, i) + (size_t)c0 * bb;
+        const u8* s0 = ring + (size_t)slot * ub + grp * rs + (int)((size_t)(PICK(wm, i) + o) & 15);
+        const u8* s1 = PAIR ? ring + (size_t)slot * ub + (G + grp) * rs + (int)((size_t)(w1 + o) & 15) : s0;
+        if (FA == FB || f == FA) mv_rows<FA, PAIR>(s0, s1, cn, c0, sq, sd, acc, acc2);
+        else mv_rows<FB, PAIR>(s0, s1, cn, c0, sq, sd, acc, acc2);
+        if (c + 1 == PICK(num, i)) {
+            if (gl == 0 && row < PICK(nn, i)) {
+                float* out = i == 0 ? o0 : (i == 1 ? o1 : o2);
+                const float* bias = i == 0 ? b0 : (i == 1 ? b1 : b2);
+                float vv = acc;
+                if (PAIR) {
+                    vv = __fmul_rn(canon_silu(acc), acc2);
+                } else {
+                    if (bias) vv = __fadd_rn(vv, bias[row]);
+                    if (acc_mode == 1) vv = __fadd_rn(out[row], vv);
+                }
+                out[row] = vv;
+            }
+            acc = 0.0f;
+            acc2 = 0.0f;
+        }
+        __syncwarp();
+        // The unit two ahead goes into the buffer just read.
+        int t2 = t1, c2 = c1;
+        next(t2, c2);
+        issue(t2, c2, slot);
+        t = t1; c = c1;
+        t1 = t2; c1 = c2;
+        slot ^= 1;
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+#define MATVEC_ARGS const u8 *w0, const u8 *w1, const u8 *w2, int f0, int f1, int f2, int n0, int n1, \
+    int n2, float *o0, float *o1, float *o2, const float *b0, const float *b1, const float *b2, const float *x, \
+    const float *nw, float eps, const i8 *qs, const float *ad, int k, int bla, int mode, int rs
+#define MATVEC_PASS w0, w1, w2, f0, f1, f2, n0, n1, n2, o0, o1, o2, b0, b1, b2, x, nw, eps, qs, ad, k, bla, \
+    mode, rs
+// One kernel per format (FA = FB), and for the K-quant mixes of *_K_M files (FA for the
+// first matrices, FB for the third: q, k in Q4_K with v in Q6_K).
+#define MATVEC(name, FA, FB) \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) name(MATVEC_ARGS) { \
+        if ((mode & 3) == 2) matvec_impl_b<FA, FB, 1>(MATVEC_PASS); \
+        else matvec_impl_b<FA, FB, 0>(MATVEC_PASS); \
+    } \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) name##_rows(MATVEC_ARGS) { \
+        if ((mode & 3) == 2) matvec_impl<FA, FB, 1>(MATVEC_PASS); \
+        else matvec_impl<FA, FB, 0>(MATVEC_PASS); \
+    }
+MATVEC(matvec_q4_0, F_Q4_0, F_Q4_0)
+MATVEC(matvec_q4_1, F_Q4_1, F_Q4_1)
+MATVEC(matvec_q5_0, F_Q5_0, F_Q5_0)
+MATVEC(matvec_q5_1, F_Q5_1, F_Q5_1)
+MATVEC(matvec_q8_0, F_Q8_0, F_Q8_0)
+MATVEC(matvec_q2_k, F_Q2_K, F_Q2_K)
+MATVEC(matvec_q3_k, F_Q3_K, F_Q3_K)
+MATVEC(matvec_q4_k, F_Q4_K, F_Q4_K)
+MATVEC(matvec_q5_k, F_Q5_K, F_Q5_K)
+MATVEC(matvec_q6_k, F_Q6_K, F_Q6_K)
+MATVEC(matvec_q4_k_q6_k, F_Q4_K, F_Q6_K)
+MATVEC(matvec_q5_k_q6_k, F_Q5_K, F_Q6_K)
+
 // Float weights: one sequential fma chain over K per output (quant::scalar::dot). One
 // thread per (column, row). kind 0 = f32, 1 = f16, 2 = bf16.
 extern "C" __global__ void matmul_float(const u8* w, const float* x, float* out, int n, int k, int m, int kind) {
@@ -605,26 +1184,6 @@ extern "C" __global__ void matmul_float(const u8* w, const float* x, float* out,
 }
 
 // ---- row ops ------------------------------------------------------------------------
-
-// canon::dot(x, x) of one row for RMSNorm, in every lane of the warp: 16 lane chains
-// (element i in lane i % 16, in order, loads issued eight at a time), then tree16.
-__device__ __forceinline__ float row_sumsq(const float* xr, int n, int lane) {
-    float l = 0.0f;
-    if (lane < 16) {
-        int i = lane;
-        for (; i + 16 * 7 < n; i += 16 * 8) {
-            float v[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++) v[u] = xr[i + 16 * u];
-#pragma unroll
-            for (int u = 0; u < 8; u++) l = fmaf(v[u], v[u], l);
-        }
-        for (; i < n; i += 16) l = fmaf(xr[i], xr[i], l);
-    }
-    float ss = tree16(l);
-    return __shfl_sync(0xffffffffu, ss, 0);
-}
-
 
 // RMSNorm (backend_cpu::Kernels::rms_norm, plain weight): one warp per row. The sum of
 // squares is canon::dot(x, x): 16 lane partials (element i in lane i % 16), then tree16.
@@ -690,6 +1249,8 @@ extern "C" __global__ void rope_kv(float* q, const float* k, const float* v, u16
                                    const int* pos, const int* phys, const float* cos_t,
                                    const float* sin_t, int rows, int n_head, int n_kv, int head_dim,
                                    int dims, int neox, int bsz) {
+    pdl_trigger();
+    pdl_wait();
     int hp = head_dim / 2, half = dims / 2;
     long t = (long)blockIdx.x * blockDim.x + threadIdx.x;
     long per_row = (long)(n_head + n_kv) * hp + (long)n_kv * head_dim;
@@ -990,34 +1551,264 @@ extern "C" __global__ void attention(const float* q, const u16* kc, const u16* v
     }
 }
 
-// ---- on-device choice ---------------------------------------------------------------
-
-// Greedy choice per row: the index of the largest logit, ties to the lowest id; NaN never
-// wins. One CTA of 256 threads per row; out[r] = the token id.
-extern "C" __global__ void argmax_rows(const float* logits, int n, int* out) {
-    __shared__ float sv[256];
-    __shared__ int si[256];
-    int r = blockIdx.x, t = threadIdx.x;
-    const float* x = logits + (size_t)r * n;
-    float best = __uint_as_float(0xff800000u);
-    int bi = -1;
-    for (int i = t; i < n; i += 256) {
-        float v = x[i];
-        if (v == v && (bi < 0 || v > best)) { best = v; bi = i; }
-    }
-    sv[t] = best;
-    si[t] = bi;
-    __syncthreads();
-    for (int s = 128; s > 0; s >>= 1) {
-        if (t < s) {
-            float v = sv[t + s];
-            int i = si[t + s];
-            if (i >= 0 && (si[t] < 0 || v > sv[t] || (v == sv[t] && i < si[t]))) {
-                sv[t] = v;
-                si[t] = i;
+// Attention in tiles (the same arithmetic as `attention` above, so the same bits): one CTA
+// of ATT_THREADS threads per (row, query head); keys in tiles of `tk` positions (whole KV
+// blocks, tk a multiple of bsz), each tile's K and V rows copied into shared memory
+// together (cp.async), the next tile's copies in flight while the current one is worked.
+// Per tile, as `attention` per span: the scores (16 threads per key, canon's 16-lane dot
+// and tree16), chunk maxima, the running max chunk by chunk with its rescale factors, the
+// exponentials, then the chains in key order (l in thread ATT_THREADS - 1, each V
+// accumulator in thread i < head_dim). The tile size only decides what is staged at once:
+// the chunk sequence, and so every operation, is that of the CPU's attend_one.
+// Dynamic shared memory: two buffers of (K, V) tiles, 4 * tk * head_dim u16 values.
+#define ATT_MAX_TK 256
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_tiled(
+    const float* q, const u16* kc, const u16* vc, float* out, const int* pos, const int* table_off,
+    const int* tables, int n_head, int n_kv, int head_dim, int bsz, float scale, int tk) {
+    extern __shared__ __align__(16) u16 s_kv[];
+    __shared__ float s_q[MAX_HEAD_DIM];
+    __shared__ float s_e[ATT_MAX_TK];
+    __shared__ float s_m[ATT_MAX_TK / 16 + 1];
+    __shared__ float s_alpha[ATT_MAX_TK / 16 + 1];
+    __shared__ float s_l;
+    pdl_trigger();
+    pdl_wait();
+    int r = blockIdx.x / n_head, h = blockIdx.x % n_head;
+    int kvh = h / (n_head / n_kv);
+    int t = threadIdx.x;
+    int warp = t >> 5, wl = t & 31;
+    int p = pos[r];
+    const int* tab = tables + table_off[r];
+    int n16_row = head_dim / 8;  // 16-byte pieces per K or V row
+    size_t tile_elems = (size_t)tk * head_dim;
+    // Queues tile ts's K and V rows into buffer slot, then closes a copy group (an empty
+    // one past the last tile).
+    auto issue = [&](int ts, int slot) {
+        if (ts <= p) {
+            int nk = min(tk, p + 1 - ts);
+            u16* sk = s_kv + (size_t)slot * 2 * tile_elems;
+            u16* sv = sk + tile_elems;
+            int n16 = nk * n16_row;
+            // Block-table entries first (eight pieces at a time), then the copies.
+            for (int i0 = t; i0 < n16; i0 += 8 * ATT_THREADS) {
+                int blk[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    int i = i0 + u * ATT_THREADS;
+                    blk[u] = i < n16 ? tab[(ts + i / n16_row) / bsz] : 0;
+                }
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    int i = i0 + u * ATT_THREADS;
+                    if (i < n16) {
+                        int j = i / n16_row, piece = i % n16_row;
+                        int key = ts + j;
+                        size_t row = (((size_t)blk[u] * n_kv + kvh) * bsz + key % bsz) * head_dim + 8 * piece;
+                        cp_async16(sk + (size_t)j * head_dim + 8 * piece, kc + row);
+                        cp_async16(sv + (size_t)j * head_dim + 8 * piece, vc + row);
+                    }
+                }
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    issue(0, 0);
+    const float* qh = q + ((size_t)r * n_head + h) * head_dim;
+    for (int i = t; i < head_dim; i += ATT_THREADS) s_q[i] = qh[i];
+    float acc[MAX_HEAD_DIM / ATT_THREADS];
+#pragma unroll
+    for (int c = 0; c < MAX_HEAD_DIM / ATT_THREADS; c++) acc[c] = 0.0f;
+    float m = __uint_as_float(0xff800000u);  // -inf: the running max (thread 0's is used)
+    float l = 0.0f;                          // thread ATT_THREADS - 1's is used
+    int slot = 0;
+    for (int ts = 0; ts <= p; ts += tk) {
+        int nk = min(tk, p + 1 - ts);
+        int nc = (nk + bsz - 1) / bsz;
+        issue(ts + tk, slot ^ 1);
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncthreads();
+        const u16* sk = s_kv + (size_t)slot * 2 * tile_elems;
+        const u16* sv = sk + tile_elems;
+        // 1. scores, 16 threads per key.
+        {
+            int grp = t >> 4, lane = t & 15;
+            const int NG = ATT_THREADS / 16;
+            for (int j0 = 0; j0 < nk; j0 += 2 * NG) {
+                float part[2];
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    int j = j0 + grp + u * NG;
+                    float pa = 0.0f;
+                    if (j < nk) {
+                        const u16* kr = sk + (size_t)j * head_dim;
+#pragma unroll 8
+                        for (int i = lane; i < head_dim; i += 16) pa = fmaf(s_q[i], f16_to_f32(kr[i]), pa);
+                    }
+                    part[u] = pa;
+                }
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    int j = j0 + grp + u * NG;
+                    float sum = tree16(part[u]);
+                    if (lane == 0 && j < nk) s_e[j] = __fmul_rn(sum, scale);
+                }
             }
         }
         __syncthreads();
+        // 2. chunk maxima (one warp per chunk), then the running max chunk by chunk.
+        for (int c = warp; c < nc; c += ATT_THREADS / 32) {
+            int a = c * bsz, e = min(a + bsz, nk);
+            float cm = __uint_as_float(0xff800000u);
+            for (int j = a + wl; j < e; j += 32) {
+                float xv = s_e[j];
+                cm = xv > cm ? xv : cm;
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                float y = __shfl_xor_sync(0xffffffffu, cm, o);
+                cm = y > cm ? y : cm;
+            }
+            if (wl == 0) s_m[c] = cm;
+        }
+        __syncthreads();
+        if (t == 0) {
+            for (int c = 0; c < nc; c++) {
+                float cm = s_m[c];
+                float m_new = cm > m ? cm : m;
+                float alpha = 0.0f;
+                int moved = m_new != m;
+                if (moved) alpha = canon_exp(__fsub_rn(m, m_new));
+                m = m_new;
+                s_m[c] = m;
+                s_alpha[c] = moved ? alpha : __uint_as_float(0x7fc00000u);
+            }
+        }
+        __syncthreads();
+        // 3. e[j] = exp(s[j] - m of j's chunk).
+        for (int j = t; j < nk; j += ATT_THREADS) s_e[j] = canon_exp(__fsub_rn(s_e[j], s_m[j / bsz]));
+        __syncthreads();
+        // 4. the chains, chunk by chunk in key order.
+        if (t == ATT_THREADS - 1) {
+            for (int c = 0; c < nc; c++) {
+                float al = s_alpha[c];
+                if (al == al) l = __fmul_rn(l, al);
+                int j = c * bsz, ke = min(j + bsz, nk);
+                for (; j + 8 <= ke; j += 8) {
+                    float ev[8];
+#pragma unroll
+                    for (int u = 0; u < 8; u++) ev[u] = s_e[j + u];
+#pragma unroll
+                    for (int u = 0; u < 8; u++) l = __fadd_rn(l, ev[u]);
+                }
+                for (; j < ke; j++) l = __fadd_rn(l, s_e[j]);
+            }
+        }
+#pragma unroll
+        for (int cc = 0; cc < MAX_HEAD_DIM / ATT_THREADS; cc++) {
+            int i = t + cc * ATT_THREADS;
+            if (i < head_dim) {
+                float av = acc[cc];
+                for (int c = 0; c < nc; c++) {
+                    float al = s_alpha[c];
+                    if (al == al) av = __fmul_rn(av, al);
+                    int j = c * bsz, ke = min(j + bsz, nk);
+                    for (; j + 8 <= ke; j += 8) {
+                        float ev[8], vv[8];
+#pragma unroll
+                        for (int u = 0; u < 8; u++) {
+                            ev[u] = s_e[j + u];
+                            vv[u] = f16_to_f32(sv[(size_t)(j + u) * head_dim + i]);
+                        }
+#pragma unroll
+                        for (int u = 0; u < 8; u++) av = fmaf(ev[u], vv[u], av);
+                    }
+                    for (; j < ke; j++) av = fmaf(s_e[j], f16_to_f32(sv[(size_t)j * head_dim + i]), av);
+                }
+                acc[cc] = av;
+            }
+        }
+        __syncthreads();  // the buffer just read is the next issue's target
+        slot ^= 1;
     }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    if (t == ATT_THREADS - 1) s_l = __fdiv_rn(1.0f, l);
+    __syncthreads();
+    float inv = s_l;
+    float* o = out + ((size_t)r * n_head + h) * head_dim;
+#pragma unroll
+    for (int c = 0; c < MAX_HEAD_DIM / ATT_THREADS; c++) {
+        int i = t + c * ATT_THREADS;
+        if (i < head_dim) o[i] = __fmul_rn(acc[c], inv);
+    }
+}
+
+// ---- on-device choice ---------------------------------------------------------------
+
+// Greedy choice per row: the index of the largest logit, ties to the lowest id; NaN never
+// wins (the result does not depend on how the row is split: the lowest index among the
+// values equal to the largest). Two launches: argmax_part, grid (P, rows) of 256 threads,
+// leaves each CTA's best of its slice in pv/pi[r * P + c]; argmax_rows then combines a
+// row's P partials (P <= 256) into out[r].
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+    return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
+}
+
+__device__ __forceinline__ void best_of_block(float* sv, int* si, float best, int bi) {
+    int t = threadIdx.x;
+    sv[t] = best;
+    si[t] = bi;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s && better(sv[t + s], si[t + s], sv[t], si[t])) {
+            sv[t] = sv[t + s];
+            si[t] = si[t + s];
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void argmax_part(const float* logits, int n, float* pv, int* pi) {
+    __shared__ float sv[256];
+    __shared__ int si[256];
+    pdl_trigger();
+    pdl_wait();
+    int c = blockIdx.x, P = gridDim.x, r = blockIdx.y, t = threadIdx.x;
+    int per = (n + P - 1) / P;
+    int a = c * per, e = min(a + per, n);
+    const float* x = logits + (size_t)r * n;
+    float best = __uint_as_float(0xff800000u);
+    int bi = -1;
+    for (int i0 = a + t; i0 < e; i0 += 8 * 256) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = i0 + u * 256;
+            v[u] = i < e ? x[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = i0 + u * 256;
+            if (i < e && v[u] == v[u] && better(v[u], i, best, bi)) { best = v[u]; bi = i; }
+        }
+    }
+    best_of_block(sv, si, best, bi);
+    if (t == 0) {
+        pv[(size_t)r * P + c] = sv[0];
+        pi[(size_t)r * P + c] = si[0];
+    }
+}
+
+extern "C" __global__ void argmax_rows(const float* pv, const int* pi, int P, int* out) {
+    __shared__ float sv[256];
+    __shared__ int si[256];
+    pdl_trigger();
+    pdl_wait();
+    int r = blockIdx.x, t = threadIdx.x;
+    float best = __uint_as_float(0xff800000u);
+    int bi = -1;
+    if (t < P) {
+        best = pv[(size_t)r * P + t];
+        bi = pi[(size_t)r * P + t];
+    }
+    best_of_block(sv, si, best, bi);
     if (t == 0) out[r] = si[0] < 0 ? 0 : si[0];
 }

@@ -36,9 +36,9 @@ pub use device::{
     Buf, Device, KERNEL_SOURCE, compile_ptx, device_count, driver_present, nvrtc_present,
 };
 #[cfg(feature = "cuda")]
-pub use forward::{CudaBackend, CudaModel, load_backend};
+pub use forward::{CudaBackend, CudaModel, StepOptions, load_backend};
 #[cfg(feature = "cuda")]
-pub use ops::{DevActs, DevMatrix};
+pub use ops::{ArgmaxParts, DevActs, DevMatrix, MvStyle};
 
 /// Whether this build includes the CUDA backend (the `cuda` feature).
 pub fn cuda_built() -> bool {

@@ -52,6 +52,108 @@ const MM_STAGE_CAP: usize = 6144;
 /// Shared memory a matmul CTA may use (bytes): what every device grants without an opt-in.
 const MM_SMEM: usize = 48 * 1024;
 
+/// Threads per matvec CTA (`MV_THREADS` in `kernels.cu`).
+const MV_THREADS: usize = 256;
+
+/// Bytes of weights a row-group matvec warp stages per unit (G rows, or G gate/up pairs, of
+/// at most this share each: longer rows go in several units).
+const MV_UNIT_BYTES: usize = 4096;
+
+/// Most bytes a block-parallel matvec warp stages per unit (a longer row goes in several).
+const MV_STAGE_CAP: usize = 4096;
+
+/// Where a matvec launch gets its activation row.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum MvInput<'a> {
+    /// Codes and block scales made earlier (row 0 of the activations).
+    Quantized(&'a DevActs),
+    /// An f32 row at this device address, quantized by every CTA in its prologue, after an
+    /// RMSNorm with this weight and epsilon when given.
+    Row(u64, Option<(&'a Buf<f32>, f32)>),
+}
+
+/// The matvec kernel for matrices of these formats (the third may differ in the
+/// K-quant mixes of `*_K_M` files), or `None` when no single launch covers them.
+pub(crate) fn matvec_kernel(formats: &[Format]) -> Option<&'static str> {
+    let first = *formats.first()?;
+    let same = |f: &[Format]| f.iter().all(|&x| x == first);
+    if same(formats) {
+        return Some(match first {
+            Format::Q4_0 => "matvec_q4_0",
+            Format::Q4_1 => "matvec_q4_1",
+            Format::Q5_0 => "matvec_q5_0",
+            Format::Q5_1 => "matvec_q5_1",
+            Format::Q8_0 => "matvec_q8_0",
+            Format::Q2_K => "matvec_q2_k",
+            Format::Q3_K => "matvec_q3_k",
+            Format::Q4_K => "matvec_q4_k",
+            Format::Q5_K => "matvec_q5_k",
+            Format::Q6_K => "matvec_q6_k",
+            _ => return None,
+        });
+    }
+    let (head, last) = formats.split_at(formats.len() - 1);
+    if !same(head) {
+        return None;
+    }
+    match (first, last[0]) {
+        (Format::Q4_K, Format::Q6_K) => Some("matvec_q4_k_q6_k"),
+        (Format::Q5_K, Format::Q6_K) => Some("matvec_q5_k_q6_k"),
+        _ => None,
+    }
+}
+
+/// Logits per slice of the device argmax's first launch (at most [`ARGMAX_PARTS`] slices).
+const ARGMAX_SLICE: usize = 2048;
+/// Most slices per row (`argmax_rows` combines them in one CTA of 256 threads).
+const ARGMAX_PARTS: usize = 256;
+
+/// The slice results of the device argmax ([`Device::argmax_rows`]) for up to `rows` rows.
+#[derive(Debug)]
+pub struct ArgmaxParts {
+    rows: usize,
+    v: Buf<f32>,
+    i: Buf<i32>,
+}
+
+impl ArgmaxParts {
+    /// Room for `rows` rows.
+    pub fn new(dev: &Device, rows: usize) -> Result<ArgmaxParts, CudaError> {
+        Ok(ArgmaxParts {
+            rows,
+            v: dev.zeros(rows * ARGMAX_PARTS)?,
+            i: dev.zeros(rows * ARGMAX_PARTS)?,
+        })
+    }
+}
+
+/// How a matvec launch spreads a matrix over a warp (the same bits either way).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MvStyle {
+    /// One row per warp at a time, several of its blocks in flight (`matvec_*`): for
+    /// matrices of few rows, long rows.
+    Blocks,
+    /// One row per lane group, G rows per warp (`matvec_*_rows`): for matrices of many
+    /// short rows (the output head).
+    Rows,
+}
+
+/// The format code of `kernels.cu`'s `Fmt` (the GGML type id).
+fn fmt_code(f: Format) -> i32 {
+    match f {
+        Format::Q4_0 => 2,
+        Format::Q4_1 => 3,
+        Format::Q5_0 => 6,
+        Format::Q5_1 => 7,
+        Format::Q8_0 => 8,
+        Format::Q2_K => 10,
+        Format::Q3_K => 11,
+        Format::Q4_K => 12,
+        Format::Q5_K => 13,
+        _ => 14,
+    }
+}
+
 /// How a matmul launch combines its result with the output (`mode` in `kernels.cu`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Epilogue {
@@ -361,6 +463,182 @@ impl Device {
         )
     }
 
+    /// One activation row times up to three quantized matrices of one activation layout in
+    /// one launch (formats as [`matvec_kernel`] allows), each `(matrix, output address,
+    /// bias)`, combined by `epi`: the decode step's matrix-vector products. The same
+    /// arithmetic as [`Device::matmul_fused`] over one row, so the same bits. The caller
+    /// has checked every output's size (at least `n` values each).
+    pub(crate) fn matvec(
+        &self,
+        ws: &[(&DevMatrix, u64, Option<&Buf<f32>>)],
+        input: MvInput<'_>,
+        epi: Epilogue,
+        style: MvStyle,
+    ) -> Result<(), CudaError> {
+        let Some(&(w, _, _)) = ws.first() else {
+            return Ok(());
+        };
+        let formats: Vec<Format> = ws.iter().map(|x| x.0.format).collect();
+        let kernel = matvec_kernel(&formats).ok_or_else(|| {
+            CudaError::Shape(format!("no matvec kernel for the formats {formats:?}"))
+        })?;
+        let want = match epi {
+            Epilogue::Store => 1..=3,
+            Epilogue::Accumulate => 1..=1,
+            Epilogue::SwiGlu => 2..=2,
+        };
+        if !want.contains(&ws.len()) {
+            return Err(CudaError::Shape(format!(
+                "{} matrices for a {epi:?} matvec",
+                ws.len()
+            )));
+        }
+        let layout = w.format.act_layout();
+        let k = w.k;
+        for &(x, _, b) in ws {
+            if x.format.act_layout() != layout
+                || x.k != k
+                || (epi == Epilogue::SwiGlu && (x.n != w.n || x.format != w.format))
+            {
+                return Err(CudaError::Shape(format!(
+                    "fused matvec over {} {}×{} and {} {}×{}",
+                    w.format, w.n, w.k, x.format, x.n, x.k
+                )));
+            }
+            if b.is_some_and(|b| b.len() < x.n) {
+                return Err(CudaError::Shape(format!("bias shorter than {}", x.n)));
+            }
+        }
+        let bla = layout.block_len();
+        if layout == ActLayout::Float || k == 0 || !k.is_multiple_of(bla) {
+            return Err(CudaError::Shape(format!(
+                "matvec over rows of {k} in blocks of {bla}"
+            )));
+        }
+        let (xp, nwp, eps, qp, dp) = match input {
+            MvInput::Quantized(a) => {
+                if a.layout != layout || a.k != k {
+                    return Err(CudaError::Shape(format!(
+                        "activations {:?}×{} for {} weights of k {k}",
+                        a.layout, a.k, w.format
+                    )));
+                }
+                (0, 0, 0.0, self.ptr(&a.qs, 0), self.ptr(&a.d, 0))
+            }
+            MvInput::Row(x, norm) => {
+                if norm.is_some_and(|(nw, _)| nw.len() < k) {
+                    return Err(CudaError::Shape(format!("norm weight shorter than {k}")));
+                }
+                (
+                    x,
+                    norm.map_or(0, |(nw, _)| self.ptr(nw, 0)),
+                    norm.map_or(0.0, |(_, e)| e),
+                    0,
+                    0,
+                )
+            }
+        };
+        let pair = epi == Epilogue::SwiGlu;
+        let staged_row = if matches!(input, MvInput::Row(..)) {
+            4 * k
+        } else {
+            0
+        };
+        if matches!(input, MvInput::Row(x, _) if x % 16 != 0) || !k.is_multiple_of(16) {
+            return Err(CudaError::Shape(format!(
+                "matvec input rows must be 16-byte aligned with k ({k}) a multiple of 16"
+            )));
+        }
+        let sa = k.div_ceil(16) * 16 + (k / bla * 4).div_ceil(16) * 16 + staged_row;
+        // Rows a warp works on at once (one, or one per lane group), the bytes staged per
+        // row and unit, and the warps the launch has work for.
+        let g = match style {
+            MvStyle::Blocks => 1,
+            MvStyle::Rows if bla == 32 => 8,
+            MvStyle::Rows => 4,
+        };
+        let row_cap = match style {
+            MvStyle::Blocks => MV_STAGE_CAP,
+            MvStyle::Rows => MV_UNIT_BYTES / g,
+        } / if pair { 2 } else { 1 };
+        let mut rs = 0;
+        for &(x, _, _) in ws {
+            let (bb, inflight) = block_geometry(x.format);
+            let rb = (k / x.format.block_len()) * bb;
+            let least = match style {
+                MvStyle::Blocks => inflight * bb + 32,
+                MvStyle::Rows => bb + 32,
+            };
+            let want = (rb.div_ceil(16) * 16 + 32)
+                .min(row_cap)
+                .max(least.div_ceil(16) * 16);
+            rs = rs.max(want);
+        }
+        let work: usize = if pair {
+            w.n.div_ceil(g)
+        } else {
+            ws.iter().map(|x| x.0.n.div_ceil(g)).sum()
+        };
+        // Warps per CTA: enough CTAs to reach every multiprocessor first, at most eight.
+        let warps = (work / self.sm_count()).clamp(1, MV_THREADS / 32);
+        let smem = sa + warps * 2 * g * rs * if pair { 2 } else { 1 };
+        if smem > self.smem_limit() {
+            return Err(CudaError::Shape(format!(
+                "matvec over rows of {k}: {smem} bytes of shared memory"
+            )));
+        }
+        let name = match style {
+            MvStyle::Blocks => kernel.to_string(),
+            MvStyle::Rows => format!("{kernel}_rows"),
+        };
+        let threads = (warps * 32) as u32;
+        let per_sm = self.occupancy(&name, threads, smem);
+        let grid = work.div_ceil(warps).min(self.sm_count() * per_sm).max(1);
+        let at = |i: usize| ws.get(i);
+        let wp = |i: usize| at(i).map_or(0, |x| self.ptr(&x.0.data, 0));
+        let fp = |i: usize| at(i).map_or(fmt_code(w.format), |x| fmt_code(x.0.format));
+        let np = |i: usize| at(i).map_or(0, |x| x.0.n);
+        let op = |i: usize| at(i).map_or(0, |x| x.1);
+        let bp = |i: usize| at(i).and_then(|x| x.2).map_or(0, |b| self.ptr(b, 0));
+        let mode = match epi {
+            Epilogue::Store => 0,
+            Epilogue::Accumulate => 1,
+            Epilogue::SwiGlu => 2,
+        } | if self.unordered_matmul() { 4 } else { 0 };
+        self.launch_smem(
+            &name,
+            (u32::try_from(grid).unwrap_or(u32::MAX), 1, 1),
+            (threads, 1, 1),
+            u32::try_from(smem).unwrap_or(u32::MAX),
+            &[
+                Arg::Ptr(wp(0)),
+                Arg::Ptr(wp(1)),
+                Arg::Ptr(wp(2)),
+                Arg::I32(fp(0)),
+                Arg::I32(fp(1)),
+                Arg::I32(fp(2)),
+                Arg::I32(i32_of("n", np(0))?),
+                Arg::I32(i32_of("n", np(1))?),
+                Arg::I32(i32_of("n", np(2))?),
+                Arg::Ptr(op(0)),
+                Arg::Ptr(op(1)),
+                Arg::Ptr(op(2)),
+                Arg::Ptr(bp(0)),
+                Arg::Ptr(bp(1)),
+                Arg::Ptr(bp(2)),
+                Arg::Ptr(xp),
+                Arg::Ptr(nwp),
+                Arg::F32(eps),
+                Arg::Ptr(qp),
+                Arg::Ptr(dp),
+                Arg::I32(i32_of("k", k)?),
+                Arg::I32(i32_of("block", bla)?),
+                Arg::I32(mode),
+                Arg::I32(i32_of("stage", rs)?),
+            ],
+        )
+    }
+
     /// RMSNorm of `rows` rows of `x` (from element `x_off`) into `out` (from `out_off`)
     /// fused with the activation quantizer into `acts` rows `act_row..`.
     #[allow(clippy::too_many_arguments)]
@@ -563,24 +841,40 @@ impl Device {
     }
 
     /// Greedy choice per row on the device: `out[r]` = the index of the largest of the
-    /// `n` logits of row `r` (ties to the lowest id, NaN never chosen).
-    pub fn argmax_rows(
+    /// `n` logits of row `r` (ties to the lowest id, NaN never chosen), in two launches
+    /// through `parts` (each row split into slices, then the slices' bests combined).
+    pub(crate) fn argmax_rows(
         &self,
         logits: &Buf<f32>,
         rows: usize,
         n: usize,
+        parts: &mut ArgmaxParts,
         out: &mut Buf<i32>,
     ) -> Result<(), CudaError> {
-        if rows * n > logits.len() || rows > out.len() {
+        if rows * n > logits.len() || rows > out.len() || rows > parts.rows || n == 0 {
             return Err(CudaError::Shape(format!("argmax of {rows}×{n}")));
         }
+        let p = n.div_ceil(ARGMAX_SLICE).clamp(1, ARGMAX_PARTS);
+        let r = u32::try_from(rows).unwrap_or(u32::MAX);
         self.launch(
-            "argmax_rows",
-            (u32::try_from(rows).unwrap_or(u32::MAX), 1, 1),
+            "argmax_part",
+            (p as u32, r, 1),
             (256, 1, 1),
             &[
                 Arg::Ptr(self.ptr(logits, 0)),
                 Arg::I32(i32_of("n", n)?),
+                Arg::Ptr(self.ptr(&parts.v, 0)),
+                Arg::Ptr(self.ptr(&parts.i, 0)),
+            ],
+        )?;
+        self.launch(
+            "argmax_rows",
+            (r, 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(self.ptr(&parts.v, 0)),
+                Arg::Ptr(self.ptr(&parts.i, 0)),
+                Arg::I32(p as i32),
                 Arg::Ptr(self.ptr(out, 0)),
             ],
         )
@@ -616,6 +910,63 @@ impl Device {
             self.matmul(&wm, &xb, Some(&acts), &mut out, m)?;
         }
         self.read(&out, m * n)
+    }
+
+    /// One activation row `x` times up to three quantized matrices `(format, GGUF bytes,
+    /// rows)` of `k` columns in one matvec launch (the decode step's kernel), each result
+    /// returned on its own. With `norm` (weight, epsilon) the launch RMS-normalizes `x` and
+    /// quantizes it in its prologue; without, `x` is quantized by [`Device::quantize_acts`]
+    /// first and the launch copies the codes.
+    pub fn matvec_host(
+        &self,
+        mats: &[(Format, &[u8], usize)],
+        k: usize,
+        x: &[f32],
+        norm: Option<(&[f32], f32)>,
+        style: MvStyle,
+    ) -> Result<Vec<Vec<f32>>, CudaError> {
+        if x.len() != k {
+            return Err(CudaError::Shape(format!("a row of {} for k {k}", x.len())));
+        }
+        let Some(&(f0, _, _)) = mats.first() else {
+            return Ok(Vec::new());
+        };
+        let ms = mats
+            .iter()
+            .map(|&(f, w, n)| self.upload_matrix(f, w, n, k))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut outs = ms
+            .iter()
+            .map(|m| self.zeros::<f32>(m.n))
+            .collect::<Result<Vec<_>, _>>()?;
+        let xb = self.upload(x)?;
+        let jobs: Vec<(&DevMatrix, u64, Option<&Buf<f32>>)> = ms
+            .iter()
+            .zip(&outs)
+            .map(|(m, o)| (m, self.ptr(o, 0), None))
+            .collect();
+        match norm {
+            Some((w, eps)) => {
+                let wb = self.upload(w)?;
+                self.matvec(
+                    &jobs,
+                    MvInput::Row(self.ptr(&xb, 0), Some((&wb, eps))),
+                    Epilogue::Store,
+                    style,
+                )?;
+                self.sync()?;
+            }
+            None => {
+                let mut acts = DevActs::new(self, f0.act_layout(), k, 1)?;
+                self.quantize_acts(&xb, 1, &mut acts)?;
+                self.matvec(&jobs, MvInput::Quantized(&acts), Epilogue::Store, style)?;
+                self.sync()?;
+            }
+        }
+        outs.iter_mut()
+            .zip(&ms)
+            .map(|(o, m)| self.read(o, m.n))
+            .collect()
     }
 
     /// The activation quantizer on the device: codes and block scales of the rows of `x`.
@@ -709,7 +1060,8 @@ impl Device {
         let rows = logits.len() / n;
         let lb = self.upload(logits)?;
         let mut out = self.zeros::<i32>(rows)?;
-        self.argmax_rows(&lb, rows, n, &mut out)?;
+        let mut parts = ArgmaxParts::new(self, rows)?;
+        self.argmax_rows(&lb, rows, n, &mut parts, &mut out)?;
         Ok(self
             .read(&out, rows)?
             .into_iter()

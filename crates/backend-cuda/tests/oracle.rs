@@ -10,7 +10,7 @@
 use engine::{ForwardBackend, ForwardRow, KvSlot, ModelBackend};
 use gguf::{GgmlType, GgufFile};
 use lockstep_backend_cuda::synth::{TinyShape, tiny_spec, write_model};
-use lockstep_backend_cuda::{CudaModel, Device};
+use lockstep_backend_cuda::{CudaModel, Device, MvStyle};
 use quant::{Format, QuantizedActs, quantize_row};
 use std::sync::{Arc, OnceLock};
 
@@ -130,6 +130,77 @@ fn matmul_matches_cpu_bit_for_bit_over_formats_and_shapes() {
 }
 
 #[test]
+fn matvec_matches_cpu_bit_for_bit_over_formats_shapes_and_prologues() {
+    let d = device();
+    // (n, k): one row, ragged N, rows of several staging units (k = 8960), many rows per
+    // warp (n = 3000).
+    let shapes = [(1, 256), (37, 512), (130, 2304), (9, 8960), (3000, 1536)];
+    let quantize = |f: Format, n: usize, k: usize, seed: u64| -> Vec<u8> {
+        let wf = randv(n * k, seed, 1.0);
+        wf.chunks_exact(k)
+            .flat_map(|row| quantize_row(f, row).unwrap())
+            .collect()
+    };
+    // The CPU reference: optional RMSNorm, the activation quantizer, the block matmul.
+    let cpu = |f: Format, w: &[u8], n: usize, x: &[f32], norm: Option<(&[f32], f32)>| {
+        let mut xn = x.to_vec();
+        if let Some((nw, eps)) = norm {
+            backend_cpu::rms_norm(x, nw, eps, backend_cpu::NormWeight::Plain, &mut xn).unwrap();
+        }
+        let mut acts = QuantizedActs::new(f.act_layout(), x.len()).unwrap();
+        acts.quantize_into(&xn).unwrap();
+        let mut out = vec![0.0f32; n];
+        quant::kernels().matmul(f, w, n, &acts, &mut out).unwrap();
+        out
+    };
+    for (fi, &format) in FORMATS[..10].iter().enumerate() {
+        for (si, &(n, k)) in shapes.iter().enumerate() {
+            let seed = (fi * 100 + si) as u64 + 5000;
+            let w = quantize(format, n, k, seed);
+            let x = randv(k, seed + 7, 3.0);
+            let nw = randv(k, seed + 9, 1.5);
+            for norm in [None, Some((&nw[..], 1e-6f32))] {
+                let want = cpu(format, &w, n, &x, norm);
+                for style in [MvStyle::Blocks, MvStyle::Rows] {
+                    let gpu = d
+                        .matvec_host(&[(format, &w, n)], k, &x, norm, style)
+                        .unwrap();
+                    let what = format!(
+                        "matvec {style:?} {format} n {n} k {k} norm {}",
+                        norm.is_some()
+                    );
+                    assert_bits_eq(&what, &gpu[0], &want);
+                }
+            }
+        }
+    }
+    // Three matrices in one launch, the third in another format (q, k, v of *_K_M files).
+    for (fa, fb) in [(Format::Q4_K, Format::Q6_K), (Format::Q5_K, Format::Q6_K)] {
+        let k = 1536;
+        let ns = [1536, 256, 256];
+        let ws: Vec<Vec<u8>> = ns
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| quantize(if i == 2 { fb } else { fa }, n, k, 77 + i as u64))
+            .collect();
+        let x = randv(k, 78, 2.0);
+        let nw = randv(k, 79, 1.5);
+        let mats: Vec<(Format, &[u8], usize)> = (0..3)
+            .map(|i| (if i == 2 { fb } else { fa }, &ws[i][..], ns[i]))
+            .collect();
+        for style in [MvStyle::Blocks, MvStyle::Rows] {
+            let gpu = d
+                .matvec_host(&mats, k, &x, Some((&nw, 1e-6)), style)
+                .unwrap();
+            for (i, &(f, w, n)) in mats.iter().enumerate() {
+                let what = format!("matvec {style:?} {fa}+{fb} matrix {i}");
+                assert_bits_eq(&what, &gpu[i], &cpu(f, w, n, &x, Some((&nw, 1e-6))));
+            }
+        }
+    }
+}
+
+#[test]
 fn activation_quantizer_matches_cpu() {
     let d = device();
     for layout in [quant::ActLayout::Blocks32, quant::ActLayout::Blocks256] {
@@ -217,6 +288,18 @@ fn argmax_ties_to_lowest_and_skips_nan() {
     let got = d.argmax_host(&l, n).unwrap();
     let cpu0 = (0..n).fold(0, |b, i| if l[i] > l[b] { i } else { b });
     assert_eq!(got, vec![cpu0 as u32, 77, 5]);
+    // Short rows (one slice): ties inside a slice, NaN first, a row of NaN only (id 0).
+    let short = [
+        f32::NAN,
+        3.0,
+        3.0,
+        -1.0,
+        f32::NAN,
+        f32::NAN,
+        f32::NAN,
+        f32::NAN,
+    ];
+    assert_eq!(d.argmax_host(&short, 4).unwrap(), vec![1, 0]);
 }
 
 // ---- the whole forward --------------------------------------------------------------

@@ -1,4 +1,4 @@
-//! Every golden conversation of `shared/golden/templates/` renders byte for byte as HF
+//! Every golden conversation of `tests/data/golden/` renders byte for byte as HF
 //! transformers rendered it, from the template stored in the real model's GGUF.
 
 mod common;

@@ -19,8 +19,8 @@ pub struct ModelArgs {
     #[arg(short = 't', long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
 
-    /// Context length in tokens: prompt plus generated output (default: 4096, or the
-    /// model's trained context when that is smaller)
+    /// Context length in tokens: prompt plus generated output (default: the model's
+    /// trained context, bounded by the memory available; the start-up line says which)
     #[arg(short = 'c', long = "ctx-size", value_name = "N")]
     pub ctx_size: Option<usize>,
 

@@ -67,6 +67,13 @@ pub struct BenchArgs {
     #[arg(long = "constraint", conflicts_with = "spec")]
     pub constraint: bool,
 
+    /// Agent-workload bench instead: replays multi-turn agent sessions (a coding agent, a
+    /// JSON tool-calling loop, a chat) through a plain and a speculating server side by
+    /// side, checks the answers are identical, and reports speed-up, acceptance and
+    /// tokens per cycle (first -m is the model, first -t the forward threads)
+    #[arg(long = "agent", conflicts_with_all = ["spec", "constraint", "serve"])]
+    pub agent: bool,
+
     /// With --spec: also bench this draft model (same tokenizer as the target)
     #[arg(long = "draft", value_name = "MODEL", requires = "spec")]
     pub draft: Option<String>,
@@ -85,6 +92,13 @@ pub struct BenchArgs {
         requires = "spec"
     )]
     pub spec_max_draft: usize,
+
+    /// Where the pp/tg tests run: cpu (default), cuda, cuda:N or auto. Off the CPU the tests
+    /// go through the engine's backend on that device (one prefill in the engine's chunks;
+    /// decode steps each reading their logits back, as the engine's steps do) and
+    /// --threads and the bandwidth measurement do not apply
+    #[arg(long = "device", value_name = "DEVICE", default_value_t = crate::device::DeviceArg::Cpu)]
+    pub device: crate::device::DeviceArg,
 
     /// `--serve` (HTTP server load bench) and its flags.
     #[command(flatten)]
@@ -217,6 +231,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         };
         return crate::serve_bench::run(&args.serve, &setup, out);
     }
+    if args.agent {
+        let setup = crate::agent_bench::AgentBenchSetup {
+            model: args.first_model(),
+            threads: args.threads.first().copied(),
+            json: args.output == BenchOutput::Json,
+        };
+        return crate::agent_bench::run(&setup, out);
+    }
     if args.constraint {
         let gb = crate::grammar_bench::GrammarBenchArgs {
             model: args.first_model(),
@@ -246,6 +268,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         .collect();
     if tests.is_empty() {
         bail!("nothing to measure: every -p and -n size is 0");
+    }
+    if args.device != crate::device::DeviceArg::Cpu {
+        return run_device(args, &tests, out);
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = if args.threads.is_empty() {
@@ -384,6 +409,193 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `lockstep bench --device cuda|cuda:N|auto`: the pp/tg tests through the engine's backend
+/// on that device (`device::backend`, as `run` loads it).
+fn run_device(args: &BenchArgs, tests: &[Test], out: &mut dyn Write) -> anyhow::Result<()> {
+    if !args.threads.is_empty() {
+        bail!("--threads applies to the CPU only (drop it or use --device cpu)");
+    }
+    match args.output {
+        BenchOutput::Md => writeln!(
+            out,
+            "| model | size | device | test | t/s |\n| ----- | ---: | ------ | ---: | --: |"
+        )?,
+        BenchOutput::Csv => writeln!(
+            out,
+            "model,model_size,device,test,n_prompt,n_gen,repetitions,tokens_per_second,stddev"
+        )?,
+        BenchOutput::Json => {}
+    }
+    out.flush()?;
+    let mut results = Vec::new();
+    let mut notes = Vec::new();
+    for spec in &args.models {
+        let path = load::resolve_model_path(spec)?;
+        let name = load::display_name(spec, &path);
+        let gguf = load::open_gguf(&path)?;
+        let needed = tests.iter().map(|t| t.context()).max().unwrap_or(1);
+        let n_ctx = load::context_length(&gguf, Some(needed))
+            .with_context(|| format!("{name}: the longest test needs {needed} tokens"))?;
+        let margs = crate::args::ModelArgs {
+            model: spec.clone(),
+            threads: None,
+            ctx_size: Some(n_ctx),
+            kv_type: args.kv_type,
+            device: args.device,
+        };
+        let loaded = crate::device::backend(&gguf, &margs, &name, None)?;
+        let mut b = loaded.backend;
+        b.init_kv(n_ctx + backend_cpu::DEFAULT_BLOCK_SIZE)
+            .map_err(|e| anyhow::anyhow!("{name}: KV cache: {e}"))?;
+        let tokens = bench_tokens(n_ctx, loaded.n_vocab);
+        let size: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
+        let per_token = decode_bytes_per_token(&gguf);
+        // Warm-up: a short prefill and a few decode steps (kernels loaded, step graphs
+        // captured).
+        device_run(&mut *b, &tokens, Test::Gen(4))?;
+        for &test in tests {
+            let mut samples = Vec::with_capacity(args.repetitions as usize);
+            for _ in 0..args.repetitions {
+                let secs = device_run(&mut *b, &tokens, test)?;
+                samples.push(test.tokens() as f64 / secs.max(1e-9));
+            }
+            let (mean, stddev) = mean_stddev(&samples);
+            let is_gen = matches!(test, Test::Gen(_));
+            let result = BenchResult {
+                model: name.clone(),
+                model_size: size,
+                test: test.name(),
+                n_prompt: if let Test::Prompt(n) = test { n } else { 0 },
+                n_gen: if let Test::Gen(n) = test { n } else { 0 },
+                threads: 0,
+                repetitions: args.repetitions,
+                tokens_per_second: mean,
+                stddev,
+                samples_ts: samples,
+                kernels: loaded.device_name.clone(),
+                kv_type: match KvType::from(args.kv_type) {
+                    KvType::F16 => "f16",
+                    KvType::F32 => "f32",
+                },
+                bytes_per_token: is_gen.then_some(per_token),
+                bandwidth_gbs: None,
+                bandwidth_fraction: None,
+                peak_rss_bytes: None,
+            };
+            if is_gen {
+                notes.push(format!(
+                    "{name} on {}, {}: reads {} of weights per token; {:.1} GB/s of weights at \
+                     this speed (compare with the device's memory bandwidth)",
+                    loaded.device_name,
+                    result.test,
+                    human_size(per_token),
+                    mean * per_token as f64 / 1e9
+                ));
+            }
+            match args.output {
+                BenchOutput::Md => writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {:.2} ± {:.2} |",
+                    result.model,
+                    human_size(result.model_size),
+                    result.kernels,
+                    result.test,
+                    result.tokens_per_second,
+                    result.stddev
+                )?,
+                BenchOutput::Csv => writeln!(
+                    out,
+                    "{},{},{},{},{},{},{},{:.3},{:.3}",
+                    csv_field(&result.model),
+                    result.model_size,
+                    csv_field(&result.kernels),
+                    result.test,
+                    result.n_prompt,
+                    result.n_gen,
+                    result.repetitions,
+                    result.tokens_per_second,
+                    result.stddev
+                )?,
+                BenchOutput::Json => {}
+            }
+            out.flush()?;
+            results.push(result);
+        }
+    }
+    match args.output {
+        BenchOutput::Json => writeln!(out, "{}", serde_json::to_string_pretty(&results)?)?,
+        BenchOutput::Md => {
+            writeln!(out)?;
+            for n in &notes {
+                writeln!(out, "- {n}")?;
+            }
+        }
+        BenchOutput::Csv => {
+            for n in &notes {
+                eprintln!("note: {n}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Seconds one repetition of `test` takes through backend `b` (a fresh sequence, released
+/// after): a prefill in the engine's prefill chunks, logits of the last row; or
+/// `TG_PROMPT_TOKENS` of prompt, then the timed single-row decode steps.
+fn device_run(
+    b: &mut dyn engine::ForwardBackend,
+    tokens: &[u32],
+    test: Test,
+) -> anyhow::Result<f64> {
+    let be = |e: engine::BackendError| anyhow::anyhow!("{e}");
+    let chunk = engine::EngineConfig::default().prefill_chunk.max(1);
+    let slot = b.kv_new();
+    let mut logits = Vec::new();
+    let tok = |p: usize| tokens.get(p).copied().unwrap_or(0);
+    let mut prefill = |b: &mut dyn engine::ForwardBackend, n: usize| -> anyhow::Result<()> {
+        b.kv_prepare(slot, 0, n).map_err(be)?;
+        let mut start = 0;
+        while start < n {
+            let end = (start + chunk).min(n);
+            let rows: Vec<engine::ForwardRow> = (start..end)
+                .map(|pos| engine::ForwardRow {
+                    slot,
+                    token: tok(pos),
+                    pos,
+                    wants_logits: pos + 1 == n,
+                })
+                .collect();
+            b.forward(&rows, &mut logits).map_err(be)?;
+            start = end;
+        }
+        Ok(())
+    };
+    let r = match test {
+        Test::Prompt(n) => {
+            let t = Instant::now();
+            prefill(b, n).map(|()| t.elapsed())
+        }
+        Test::Gen(n) => prefill(b, TG_PROMPT_TOKENS).and_then(|()| {
+            let mut logits = Vec::new();
+            let t = Instant::now();
+            for i in 0..n {
+                let pos = TG_PROMPT_TOKENS + i;
+                b.kv_prepare(slot, pos, pos + 1).map_err(be)?;
+                let row = engine::ForwardRow {
+                    slot,
+                    token: tok(pos),
+                    pos,
+                    wants_logits: true,
+                };
+                b.forward(&[row], &mut logits).map_err(be)?;
+            }
+            Ok(t.elapsed())
+        }),
+    };
+    b.kv_release(slot);
+    Ok(r?.as_secs_f64())
 }
 
 fn print_row(format: BenchOutput, r: &BenchResult, out: &mut dyn Write) -> anyhow::Result<()> {

@@ -13,8 +13,12 @@ use text::Tokenizer;
 use crate::args::ModelArgs;
 use crate::model_arg;
 
-/// Context length used when `--ctx-size` is not given (capped at the trained context).
+/// Context length used when `--ctx-size` is not given and the file does not say how long a
+/// context the model was trained for.
 pub const DEFAULT_CTX: usize = 4096;
+
+/// Default contexts bounded by memory are rounded down to a multiple of this.
+const CTX_STEP: usize = 256;
 
 /// Resolves `-m`: a path to an existing file, or a known model name (fetched into the
 /// cache with a progress bar on first use). Something that looks like a path but is not a
@@ -64,18 +68,144 @@ pub fn trained_context(gguf: &GgufFile) -> Option<usize> {
     usize::try_from(n).ok()
 }
 
-/// The context length to run with: `--ctx-size`, else [`DEFAULT_CTX`] capped at the
-/// trained context. An explicit size beyond the trained context is refused.
+/// The context length to run with: `--ctx-size`, else the model's trained context bounded
+/// by the memory this machine has (see [`context_choice`]). An explicit size beyond the
+/// trained context is refused.
 pub fn context_length(gguf: &GgufFile, requested: Option<usize>) -> anyhow::Result<usize> {
+    Ok(context_choice(gguf, requested, KvType::F16, |n| n)?.n_ctx)
+}
+
+/// Why a context length was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContextBound {
+    /// `--ctx-size` asked for it.
+    Requested,
+    /// The model's trained context (it fits in memory).
+    Trained,
+    /// The trained context (`trained` tokens) did not fit in the memory available
+    /// (`available_mib`): the largest context that fits.
+    Memory {
+        /// The model's trained context.
+        trained: usize,
+        /// `MemAvailable` in MiB.
+        available_mib: u64,
+    },
+    /// The file does not say its trained context: [`DEFAULT_CTX`].
+    Fallback,
+}
+
+/// A context length and the bound that set it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextChoice {
+    /// The context length in tokens.
+    pub n_ctx: usize,
+    /// What set it.
+    pub bound: ContextBound,
+}
+
+impl ContextChoice {
+    /// A short note for start-up lines: `context 32768: the model's trained context`.
+    pub fn describe(&self) -> String {
+        let n = self.n_ctx;
+        match self.bound {
+            ContextBound::Requested => format!("context {n}: --ctx-size"),
+            ContextBound::Trained => format!("context {n}: the model's trained context"),
+            ContextBound::Memory {
+                trained,
+                available_mib,
+            } => format!(
+                "context {n}: bounded by memory ({available_mib} MiB available; the model was \
+                 trained for {trained}; -c sets it)"
+            ),
+            ContextBound::Fallback => {
+                format!("context {n}: the model file does not give its trained context")
+            }
+        }
+    }
+}
+
+/// The context length to run with and why: `--ctx-size` when given (refused beyond the
+/// trained context); else the model's trained context when its memory estimate — with a
+/// KV cache of `kv_slots(n)` token slots for a context of `n` — fits in `MemAvailable`;
+/// else the largest multiple of 256 tokens that fits (at least 256); [`DEFAULT_CTX`] for
+/// files that do not give their trained context.
+pub fn context_choice(
+    gguf: &GgufFile,
+    requested: Option<usize>,
+    kv_type: KvType,
+    kv_slots: impl Fn(usize) -> usize,
+) -> anyhow::Result<ContextChoice> {
+    context_choice_within(
+        gguf,
+        requested,
+        kv_type,
+        kv_slots,
+        model::available_memory(),
+    )
+}
+
+/// [`context_choice`] with the memory available given (`None`: unknown, no bound).
+pub fn context_choice_within(
+    gguf: &GgufFile,
+    requested: Option<usize>,
+    kv_type: KvType,
+    kv_slots: impl Fn(usize) -> usize,
+    available: Option<u64>,
+) -> anyhow::Result<ContextChoice> {
     let trained = trained_context(gguf);
     match (requested, trained) {
         (Some(0), _) => bail!("--ctx-size must be at least 1"),
         (Some(n), Some(t)) if n > t => {
             bail!("--ctx-size {n} exceeds the model's trained context of {t} tokens")
         }
-        (Some(n), _) => Ok(n),
-        (None, Some(t)) => Ok(t.min(DEFAULT_CTX)),
-        (None, None) => Ok(DEFAULT_CTX),
+        (Some(n), _) => Ok(ContextChoice {
+            n_ctx: n,
+            bound: ContextBound::Requested,
+        }),
+        (None, None) => Ok(ContextChoice {
+            n_ctx: DEFAULT_CTX,
+            bound: ContextBound::Fallback,
+        }),
+        (None, Some(t)) => {
+            let Some(available) = available else {
+                return Ok(ContextChoice {
+                    n_ctx: t,
+                    bound: ContextBound::Trained,
+                });
+            };
+            let fits = |n: usize| -> anyhow::Result<bool> {
+                Ok(MemoryEstimate::for_model(gguf, kv_slots(n), kv_type)?.total <= available)
+            };
+            if fits(t)? {
+                return Ok(ContextChoice {
+                    n_ctx: t,
+                    bound: ContextBound::Trained,
+                });
+            }
+            // The largest multiple of CTX_STEP below `t` that fits (binary search: the
+            // estimate grows with the context).
+            let (mut lo, mut hi) = (1usize, t / CTX_STEP);
+            if hi == 0 || !fits(CTX_STEP)? {
+                // Not even the smallest step fits: let the memory check say why.
+                lo = 1;
+                hi = 1;
+            }
+            while lo < hi {
+                let mid = (lo + hi).div_ceil(2);
+                if fits(mid * CTX_STEP)? {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            Ok(ContextChoice {
+                n_ctx: (lo * CTX_STEP).min(t),
+                bound: ContextBound::Memory {
+                    trained: t,
+                    available_mib: available >> 20,
+                },
+            })
+        }
     }
 }
 
@@ -176,6 +306,49 @@ mod tests {
             assert!(msg.contains("does not exist"), "{spec}: {msg}");
             assert!(msg.contains(spec), "{spec}: {msg}");
         }
+    }
+
+    #[test]
+    fn the_default_context_is_the_trained_one_unless_memory_bounds_it() {
+        let path = hub::ensure_model("smollm2-135m").unwrap();
+        let gguf = open_gguf(&path).unwrap();
+        let slots = |n: usize| 2 * n;
+        let plenty = context_choice_within(&gguf, None, KvType::F16, slots, Some(1 << 40));
+        assert_eq!(
+            plenty.unwrap(),
+            ContextChoice {
+                n_ctx: 8192,
+                bound: ContextBound::Trained
+            }
+        );
+        // Room for a context of 2048 (and a little more, not a whole 256 step).
+        let need = |n: usize| {
+            MemoryEstimate::for_model(&gguf, slots(n), KvType::F16)
+                .unwrap()
+                .total
+        };
+        let available = need(2048) + (need(2304) - need(2048)) / 2;
+        let bounded =
+            context_choice_within(&gguf, None, KvType::F16, slots, Some(available)).unwrap();
+        assert_eq!(bounded.n_ctx, 2048, "{bounded:?}");
+        assert!(matches!(
+            bounded.bound,
+            ContextBound::Memory { trained: 8192, .. }
+        ));
+        assert!(
+            bounded.describe().contains("bounded by memory"),
+            "{}",
+            bounded.describe()
+        );
+        let asked = context_choice_within(&gguf, Some(1000), KvType::F16, slots, Some(1)).unwrap();
+        assert_eq!(asked.n_ctx, 1000);
+        let too_long = context_choice_within(&gguf, Some(9000), KvType::F16, slots, None);
+        assert!(
+            too_long
+                .unwrap_err()
+                .to_string()
+                .contains("trained context of 8192")
+        );
     }
 
     #[test]

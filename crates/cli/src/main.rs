@@ -3,12 +3,14 @@
 //! Each subcommand is one variant of [`Command`] plus one module holding its clap
 //! arguments and its `run` function; `main` only parses, sets up logging and dispatches.
 
+mod agent_bench;
 mod args;
 mod bench;
 mod chat;
 mod check;
 mod constraint_args;
 mod device;
+mod disk_cache_args;
 mod grammar_bench;
 mod inspect;
 mod load;

@@ -26,12 +26,15 @@ pub struct RunArgs {
     spec: SpecArgs,
     #[command(flatten)]
     constraint: ConstraintArgs,
+    #[command(flatten)]
+    disk_cache: crate::disk_cache_args::DiskCacheArgs,
 
     /// Output: the text as it is generated, or one JSON object (the last line of stdout)
-    /// with prompt_tokens, tokens, logprobs, text, finish_reason ("stop" or "length"),
-    /// seed, timings {prompt_ms, prompt_tokens_per_second, gen_ms, tokens_per_second
-    /// (tokens after the first over gen_ms), ttft_ms}, with --top-logprobs top_logprobs,
-    /// and with a structured-output flag grammar_compile_ms
+    /// with prompt_tokens, prompt_token_ids (the ids fed, BOS included), cached_tokens,
+    /// tokens, logprobs, text, finish_reason ("stop" or "length"), seed, timings {prompt_ms,
+    /// prompt_tokens_per_second, gen_ms, tokens_per_second (tokens after the first over
+    /// gen_ms), ttft_ms}, with --top-logprobs top_logprobs, and with a structured-output flag
+    /// grammar_compile_ms
     #[arg(short = 'o', long = "output", value_enum, default_value_t = RunOutput::Text)]
     output: RunOutput,
 
@@ -56,6 +59,10 @@ pub enum RunOutput {
 struct RunReport<'a> {
     model: &'a str,
     prompt_tokens: usize,
+    /// The prompt ids the model was fed, BOS included when the model asks for one.
+    prompt_token_ids: &'a [u32],
+    /// Prompt tokens whose KV came from the prompt cache (RAM or disk).
+    cached_tokens: usize,
     tokens: &'a [u32],
     logprobs: &'a [f32],
     text: &'a str,
@@ -98,14 +105,19 @@ impl RunTimings {
 /// Runs `lockstep run`.
 pub fn run(args: &RunArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let requested = args.constraint.prepare()?;
-    let session = Session::open_with_spec(&args.model, args.prompt.chat, Some(&args.spec))?;
+    let session = Session::open_with(
+        &args.model,
+        args.prompt.chat,
+        Some(&args.spec),
+        Some(&args.disk_cache),
+    )?;
     let prompt = session.prompt_tokens(&args.prompt)?;
     let grammar = match &requested {
         Some(r) => Some(r.compile(&session, args.prompt.chat, &prompt)?),
         None => None,
     };
     let seed = args.sampling.seed_or_random();
-    let mut req = session::request(prompt, &args.sampling, &args.stop, seed)?;
+    let mut req = session::request(prompt.clone(), &args.sampling, &args.stop, seed)?;
     req.constraint = grammar.as_ref().map(|g| g.request_constraint());
     req.logprobs = args.top_logprobs.map(usize::from);
     let json = args.output == RunOutput::Json;
@@ -124,6 +136,8 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         let report = RunReport {
             model: &session.name,
             prompt_tokens: generation.prompt_tokens,
+            prompt_token_ids: &prompt,
+            cached_tokens: generation.cached_tokens,
             tokens: &generation.tokens,
             logprobs: &generation.logprobs,
             text: &generation.text,

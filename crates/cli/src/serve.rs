@@ -1,4 +1,5 @@
-//! `lockstep serve`: the OpenAI-compatible HTTP server (crate `server`) for one model.
+//! `lockstep serve`: the OpenAI- and Anthropic-compatible HTTP server (crate `server`) for
+//! one model.
 
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
@@ -10,20 +11,34 @@ use clap::Args;
 
 use crate::args::ModelArgs;
 use crate::device::DeviceArg;
+use crate::disk_cache_args::{self, DiskCacheArgs};
 use crate::load;
 use crate::spec_args::{SpecArgs, SpecReport};
 
 /// Arguments of `lockstep serve`.
 #[derive(Debug, Clone, Args)]
 #[command(after_help = "\
+Open http://HOST:PORT/ in a browser for the chat page (embedded in the binary, works
+offline): streamed answers, markdown, JSON mode, settings, and per answer the tokens/s,
+time to first token and speculation counters, with a replay that checks the answer is
+identical.
+
+Endpoints: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models (OpenAI) and
+/v1/messages, /v1/messages/count_tokens (Anthropic).
+
 With --ngram [N], --draft MODEL or --spec auto every request speculates; the output is
-identical to plain decoding, and each response's usage gains a `speculative` object with
-the request's counters (cycles, drafted, accepted, accept_rate, ...). /metrics exposes the
-totals as lockstep_spec_*.
+identical to plain decoding. The free drafters include a cross-request suffix index of
+earlier requests' prompts and outputs (--spec-suffix-tokens N, 0 = off). Each response's
+usage gains a `speculative` object with the request's counters (cycles, drafted,
+accepted, accept_rate, ..., suffix). /metrics exposes the totals as lockstep_spec_*. A
+chat request's `\"speculation\": false` (extension field) decodes it plainly.
 
 Examples:
   lockstep serve -m qwen2.5-coder-0.5b --port 8080
   lockstep serve -m qwen2.5-coder-1.5b --ngram --max-seqs 16
+  lockstep serve -m qwen2.5-coder-1.5b --alias gpt-4o --strict-model-name
+  ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_API_KEY=local claude
+                                              Claude Code against a running server
   lockstep bench --serve -m smollm2-135m      load benchmark: t/s and TTFT at 1/4/16 clients")]
 pub struct ServeArgs {
     #[command(flatten)]
@@ -47,7 +62,8 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub queue: u32,
 
-    /// Require `Authorization: Bearer KEY` on /v1/* (also from LOCKSTEP_API_KEY)
+    /// Require `Authorization: Bearer KEY` or `x-api-key: KEY` on /v1/* (also from
+    /// LOCKSTEP_API_KEY)
     #[arg(
         long = "api-key",
         value_name = "KEY",
@@ -55,6 +71,16 @@ pub struct ServeArgs {
         hide_env_values = true
     )]
     pub api_key: Option<String>,
+
+    /// Another name for the model in /v1/models and the `model` field (repeatable)
+    #[arg(long = "alias", value_name = "NAME")]
+    pub alias: Vec<String>,
+
+    /// Answer only requests whose `model` is the served name or an alias (HTTP 404
+    /// otherwise). Without it any requested name is answered by the served model, so
+    /// clients that send their own model names (Claude Code, Codex) work unchanged
+    #[arg(long = "strict-model-name")]
+    pub strict_model_name: bool,
 
     /// Largest request body in MiB (larger bodies get HTTP 413)
     #[arg(long = "body-limit-mib", value_name = "MIB", default_value_t = 8,
@@ -64,6 +90,9 @@ pub struct ServeArgs {
     /// Seconds in-flight requests get to finish after Ctrl-C/SIGTERM before they are cancelled
     #[arg(long = "shutdown-grace", value_name = "SECS", default_value_t = 30)]
     pub shutdown_grace: u64,
+
+    #[command(flatten)]
+    pub disk_cache: DiskCacheArgs,
 
     /// Speculative decoding for every request; each response's `usage.speculative` then
     /// holds the request's counters (--spec-stats: the totals on stderr at shutdown). Last,
@@ -77,20 +106,27 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
     let path = load::resolve_model_path(&args.model.model)?;
     let name = load::display_name(&args.model.model, &path);
     let gguf = load::open_gguf(&path)?;
-    let n_ctx = load::context_length(&gguf, args.model.ctx_size)?;
     let kv_type: model::KvType = args.model.kv_type.into();
-    load::check_memory(&gguf, n_ctx, kv_type)?;
     let mut opts = server::ModelOptions {
         name: name.clone(),
-        aliases: Vec::new(),
+        aliases: args.alias.clone(),
         threads: args.model.threads(),
-        ctx_size: Some(n_ctx),
+        ctx_size: None,
         max_seqs: args.max_seqs as usize,
         queue_capacity: args.queue as usize,
         kv_tokens: None,
         kv_type,
         spec: engine::SpecConfig::default(),
+        disk_cache: None,
     };
+    // The default context: the trained one, bounded by the memory of the KV pool the
+    // engine will allocate for it.
+    let choice = load::context_choice(&gguf, args.model.ctx_size, kv_type, |n| {
+        opts.kv_pool_tokens(n)
+    })?;
+    let n_ctx = choice.n_ctx;
+    opts.ctx_size = Some(n_ctx);
+    load::check_memory(&gguf, n_ctx, kv_type)?;
     // The CPU's ServedModel::load unless a GPU was asked for or `auto` may find one, or a
     // DSpark support file comes with the model: then device::backend loads it (and says
     // where it runs).
@@ -109,6 +145,9 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
     } else {
         (None, None)
     };
+    let unusable =
+        disk_cache_args::unusable(&gguf, loaded.as_ref().map(|l| l.device_name.as_str()));
+    opts.disk_cache = args.disk_cache.config(&path, unusable, true)?;
     if args.spec.enabled() {
         let tokenizer = load::load_tokenizer(&gguf)?;
         let n_vocab = match &loaded {
@@ -133,21 +172,26 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
         None => server::ServedModel::load(&path, &opts),
     };
     let model = Arc::new(served.with_context(|| format!("loading {}", path.display()))?);
+    if let Some(line) = disk_cache_args::status_line(model.engine()) {
+        eprintln!("{line}");
+    }
     let config = server::ServerConfig {
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         body_limit: args.body_limit_mib as usize * 1024 * 1024,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        strict_model_name: args.strict_model_name,
         ..server::ServerConfig::default()
     };
     let addr = SocketAddr::new(args.host, args.port);
-    let ctx = model.context_len();
+    let ctx = choice.describe();
     let speculation = speculation_note(&opts.spec);
     server::serve_blocking(addr, Arc::clone(&model), config, |bound| {
         let _ = writeln!(
             out,
-            "lockstep serving {name} (context {ctx}{speculation}) at http://{bound}/v1 — \
+            "lockstep serving {name} ({ctx}{speculation}) at http://{bound}/v1 — \
              Ctrl-C to stop"
         );
+        let _ = writeln!(out, "chat page: http://{bound}/");
         let _ = out.flush();
     })
     .with_context(|| format!("serving on {addr}"))?;
@@ -167,6 +211,12 @@ fn speculation_note(spec: &engine::SpecConfig) -> String {
     }
     let d = &spec.drafters;
     let mut names = Vec::new();
+    if let Some(ix) = &d.suffix {
+        names.push(format!(
+            "cross-request suffix index ({} tokens)",
+            ix.config().budget_tokens
+        ));
+    }
     if let Some(n) = &d.ngram {
         names.push(format!("n-gram (keys up to {})", n.max_n));
     }

@@ -344,7 +344,7 @@ fn chat_stream(addr: SocketAddr, body: &Value) -> anyhow::Result<RequestSample> 
 }
 
 /// Reads the status line and headers; returns the status and whether the body is chunked.
-fn read_head(reader: &mut impl BufRead) -> anyhow::Result<(u16, bool)> {
+pub(crate) fn read_head(reader: &mut impl BufRead) -> anyhow::Result<(u16, bool)> {
     let mut line = String::new();
     reader.read_line(&mut line)?;
     let status: u16 = line
@@ -373,14 +373,14 @@ fn read_head(reader: &mut impl BufRead) -> anyhow::Result<(u16, bool)> {
 
 /// A response body, chunked (`Transfer-Encoding: chunked`) or delimited by the connection's
 /// close, read piece by piece as it arrives.
-struct HttpBody<R> {
+pub(crate) struct HttpBody<R> {
     reader: R,
     chunked: bool,
     done: bool,
 }
 
 impl<R: BufRead> HttpBody<R> {
-    fn new(reader: R, chunked: bool) -> Self {
+    pub(crate) fn new(reader: R, chunked: bool) -> Self {
         HttpBody {
             reader,
             chunked,
@@ -389,7 +389,7 @@ impl<R: BufRead> HttpBody<R> {
     }
 
     /// The next piece of the body, `None` at its end.
-    fn next_piece(&mut self) -> anyhow::Result<Option<Vec<u8>>> {
+    pub(crate) fn next_piece(&mut self) -> anyhow::Result<Option<Vec<u8>>> {
         if self.done {
             return Ok(None);
         }

@@ -80,6 +80,17 @@ impl Session {
         need_template: bool,
         spec: Option<&crate::spec_args::SpecArgs>,
     ) -> anyhow::Result<Session> {
+        Session::open_with(args, need_template, spec, None)
+    }
+
+    /// [`Session::open_with_spec`] with the prefix cache's disk tier of `disk` (off when
+    /// `None`).
+    pub fn open_with(
+        args: &ModelArgs,
+        need_template: bool,
+        spec: Option<&crate::spec_args::SpecArgs>,
+        disk: Option<&crate::disk_cache_args::DiskCacheArgs>,
+    ) -> anyhow::Result<Session> {
         let path = load::resolve_model_path(&args.model)?;
         let name = load::display_name(&args.model, &path);
         let gguf = load::open_gguf(&path)?;
@@ -89,12 +100,23 @@ impl Session {
             return Err(load::no_template_error(&name));
         }
         let dspark_path = spec.and_then(|s| s.dspark.as_deref());
+        // One sequence: the KV cache holds the context (plus a spare block).
+        let choice = load::context_choice(&gguf, args.ctx_size, args.kv_type.into(), |n| {
+            n + backend_cpu::DEFAULT_BLOCK_SIZE
+        })?;
+        if args.ctx_size.is_none() {
+            eprintln!("{name}: {}", choice.describe());
+        }
+        let args = &ModelArgs {
+            ctx_size: Some(choice.n_ctx),
+            ..args.clone()
+        };
         let crate::device::Loaded {
             backend,
             n_ctx,
             n_vocab,
             dspark,
-            ..
+            device_name,
         } = crate::device::backend(&gguf, args, &name, dspark_path)?;
         let block = backend_cpu::DEFAULT_BLOCK_SIZE;
         let cfg = EngineConfig {
@@ -103,6 +125,13 @@ impl Session {
             // be admitted while the previous turn's blocks are still in the prefix cache.
             kv_tokens: n_ctx + block,
             context_len: n_ctx,
+            disk_cache: match disk {
+                Some(d) => {
+                    let unusable = crate::disk_cache_args::unusable(&gguf, Some(&device_name));
+                    d.config(&path, unusable, false)?
+                }
+                None => None,
+            },
             ..EngineConfig::default()
         };
         let cfg = match spec {
@@ -114,6 +143,13 @@ impl Session {
         };
         let engine =
             Engine::start(backend, tokenizer.clone(), cfg).context("starting the engine")?;
+        if let Some(d) = disk
+            && d.dir.is_some()
+            && let engine::DiskCacheState::Unavailable(_) = engine.disk_cache_state()
+            && let Some(line) = crate::disk_cache_args::status_line(&engine)
+        {
+            eprintln!("{line}");
+        }
         Ok(Session {
             name,
             tokenizer,

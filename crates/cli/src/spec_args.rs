@@ -7,7 +7,10 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use engine::{SpecConfig, SpecMode, SpecStats};
 use serde::Serialize;
-use spec::{DraftModel, DrafterSet, DsparkCounters, DsparkDraft, NgramConfig, PolicyConfig};
+use spec::{
+    DraftModel, DrafterSet, DsparkCounters, DsparkDraft, NgramConfig, PolicyConfig, SuffixConfig,
+    SuffixIndex,
+};
 use text::Tokenizer;
 
 use crate::args::ModelArgs;
@@ -66,6 +69,15 @@ pub struct SpecArgs {
     /// below X (0 = off)
     #[arg(long = "spec-margin", value_name = "X", default_value_t = 0.0)]
     pub margin: f32,
+
+    /// Tokens the cross-request suffix index keeps (earlier requests' prompts and outputs,
+    /// oldest evicted first; 0 = no suffix drafter)
+    #[arg(
+        long = "spec-suffix-tokens",
+        value_name = "N",
+        default_value_t = 262_144
+    )]
+    pub suffix_tokens: usize,
 
     /// Print the speculation counters (stderr; in --output json as a "spec" object)
     #[arg(long = "spec-stats")]
@@ -142,6 +154,12 @@ impl SpecArgs {
             None if draft_model.is_none() && dspark.is_none() => Some(NgramConfig::default()),
             None => None,
         };
+        let suffix = (self.suffix_tokens > 0).then(|| {
+            Arc::new(SuffixIndex::new(SuffixConfig {
+                budget_tokens: self.suffix_tokens,
+                ..SuffixConfig::default()
+            }))
+        });
         Ok(SpecConfig {
             mode: SpecMode::Auto,
             drafters: DrafterSet {
@@ -149,6 +167,7 @@ impl SpecArgs {
                 ngram,
                 draft_model,
                 dspark,
+                suffix,
             },
             policy: PolicyConfig {
                 max_draft: usize::from(self.max_draft),
@@ -158,6 +177,15 @@ impl SpecArgs {
             },
         })
     }
+}
+
+/// The free drafters (a fresh cross-request suffix index, n-gram with keys up to 3 tokens,
+/// grammar fast-forward) under the default adaptive policy: what `--spec auto` alone gives.
+pub fn free_spec() -> SpecConfig {
+    SpecConfig::auto(DrafterSet::free_with_suffix(
+        NgramConfig::default().max_n,
+        SuffixConfig::default(),
+    ))
 }
 
 /// The `dspark` object of `--output json` with `--dspark --spec-stats`: the DSpark

@@ -208,6 +208,7 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
                     ngram: None,
                     draft_model: Some(dm.clone()),
                     dspark: None,
+                    suffix: None,
                 })
             },
         ));
@@ -220,6 +221,7 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
                     ngram: Some(spec::NgramConfig::default()),
                     draft_model: Some(dm.clone()),
                     dspark: None,
+                    suffix: None,
                 })
             },
         ));

@@ -114,6 +114,70 @@ fn help_names_the_subcommands_and_the_environment() -> TestResult {
     Ok(())
 }
 
+#[test]
+fn serve_help_names_the_model_name_flags_and_both_apis() -> TestResult {
+    let home = tempfile::tempdir()?;
+    let out = lockstep(home.path(), &["serve", "--help"])?;
+    assert!(out.status.success());
+    let help = text(&out.stdout);
+    for word in [
+        "--alias",
+        "--strict-model-name",
+        "x-api-key",
+        "/v1/messages",
+        "ANTHROPIC_BASE_URL",
+        "trained context",
+    ] {
+        assert!(help.contains(word), "missing {word}:\n{help}");
+    }
+    Ok(())
+}
+
+// Built with `--features cuda` the same command would measure a GPU that is there.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn bench_on_cuda_without_a_usable_gpu_is_a_clear_error_and_prints_no_result() -> TestResult {
+    let path = hub::ensure_model("smollm2-135m")?;
+    let root = hub::cache_root()?;
+    let model = path.display().to_string();
+    let out = lockstep(
+        &root,
+        &[
+            "bench", "-m", &model, "--device", "cuda", "-p", "16", "-n", "4", "-r", "1",
+        ],
+    )?;
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("--device cuda:0"), "{err}");
+    assert!(err.contains("built without CUDA support"), "{err}");
+    assert!(!text(&out.stdout).contains("tg4"), "{}", text(&out.stdout));
+    // --threads is a CPU flag: refused before anything loads.
+    let out = lockstep(
+        &root,
+        &[
+            "bench", "-m", &model, "--device", "cuda", "-t", "2", "-r", "1",
+        ],
+    )?;
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--threads applies to the CPU only"));
+    // `auto` in this build is the CPU backend driven through the engine's backend trait,
+    // the same code path `--device cuda` takes on a GPU.
+    let out = lockstep(
+        &root,
+        &[
+            "bench", "-m", &model, "--device", "auto", "-p", "16", "-n", "4", "-r", "1",
+        ],
+    )?;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    assert!(
+        table.contains("| pp16 |") && table.contains("| tg4 |"),
+        "{table}"
+    );
+    assert!(table.contains("of weights per token"), "{table}");
+    Ok(())
+}
+
 // Built with `--features cuda` the same command would serve on a GPU that is there.
 #[cfg(not(feature = "cuda"))]
 #[test]

@@ -52,24 +52,17 @@ fn ids(v: &Value) -> Vec<u64> {
         .unwrap_or_default()
 }
 
-/// The golden reference directory (`shared/golden`, beside or above the checkout;
-/// `$LOCKSTEP_SHARED` overrides).
-fn golden_dir() -> std::path::PathBuf {
-    if let Some(dir) = std::env::var_os("LOCKSTEP_SHARED") {
-        return std::path::PathBuf::from(dir).join("golden");
-    }
-    let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let manifest = std::fs::canonicalize(&manifest).unwrap_or(manifest);
-    manifest
-        .ancestors()
-        .map(|base| base.join("shared/golden"))
-        .find(|candidate| candidate.is_dir())
-        .unwrap_or_else(|| panic!("shared/golden not found above {}", manifest.display()))
-}
+/// The model crate's golden references (made by `tools/golden/make.py`).
+const GOLDEN_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../model/tests/data/golden");
 
 fn golden_case(name: &str) -> Result<Value, Box<dyn std::error::Error>> {
+    golden_case_of("smollm2-135m", name)
+}
+
+/// Case `name` of the golden file `file`.
+fn golden_case_of(file: &str, name: &str) -> Result<Value, Box<dyn std::error::Error>> {
     let golden: Value = serde_json::from_str(&std::fs::read_to_string(
-        golden_dir().join("smollm2-135m.json"),
+        std::path::Path::new(GOLDEN_DIR).join(format!("{file}.json")),
     )?)?;
     golden["cases"]
         .as_array()
@@ -87,6 +80,7 @@ fn run_json_greedy_output_equals_the_llama_cpp_golden_continuation() -> TestResu
         v["prompt_tokens"],
         case["prompt_tokens"].as_array().map_or(0, Vec::len)
     );
+    assert_eq!(ids(&v["prompt_token_ids"]), ids(&case["prompt_tokens"]));
     let golden = ids(&case["completion_tokens"]);
     assert_eq!(ids(&v["tokens"]), golden[..16]);
     let text = v["text"].as_str().ok_or("text")?;
@@ -110,6 +104,45 @@ fn run_json_greedy_output_equals_the_llama_cpp_golden_continuation() -> TestResu
     assert!(
         v.get("top_logprobs").is_none(),
         "only with --top-logprobs: {v}"
+    );
+    Ok(())
+}
+
+#[test]
+fn run_feeds_gemma3_its_bos_and_reproduces_the_llama_cpp_golden() -> TestResult {
+    // Gemma 3 asks for a BOS (tokenizer.ggml.add_bos_token); the reference was recorded
+    // with it, and `run` adds it by itself.
+    hub::ensure_model("gemma3-270m")?;
+    let case = golden_case_of("gemma3-270m", "raw-code")?;
+    let prompt = case["text"].as_str().ok_or("text")?;
+    let v = run_json(&[
+        "run",
+        "-m",
+        "gemma3-270m",
+        "-p",
+        prompt,
+        "-n",
+        "16",
+        "-o",
+        "json",
+    ])?;
+    let fed = ids(&v["prompt_token_ids"]);
+    assert_eq!(fed, ids(&case["prompt_tokens"]));
+    assert_eq!(fed.first(), Some(&2), "the BOS first: {fed:?}");
+    assert_eq!(v["prompt_tokens"], fed.len());
+    // Greedy, up to the reference's first near-tie (top-2 within 0.2 nats).
+    let steps = case["steps"].as_array().ok_or("steps")?;
+    let gap =
+        |s: &Value| -> Option<f64> { Some(s["top"][0][1].as_f64()? - s["top"][1][1].as_f64()?) };
+    let stop = steps
+        .iter()
+        .position(|s| gap(s).is_none_or(|g| g < 0.2))
+        .unwrap_or(steps.len())
+        .min(16);
+    assert!(stop >= 8, "a usable greedy prefix ({stop})");
+    assert_eq!(
+        ids(&v["tokens"])[..stop],
+        ids(&case["completion_tokens"])[..stop]
     );
     Ok(())
 }
@@ -403,5 +436,24 @@ fn bench_json_reports_pp_and_tg_with_the_kernel_set() -> TestResult {
         assert_eq!(r["stddev"], 0.0, "one repetition");
         assert!(!r["kernels"].as_str().ok_or("kernels")?.is_empty());
     }
+    Ok(())
+}
+
+#[test]
+fn run_without_ctx_size_uses_the_trained_context_and_says_so() -> TestResult {
+    let out = lockstep(&["run", "-p", CAPITAL, "-n", "1"])?;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    // smollm2-135m was trained for 8,192 tokens; it fits in this machine's memory.
+    assert!(
+        err.contains("smollm2-135m: context 8192: the model's trained context"),
+        "{err}"
+    );
+    let out = lockstep(&["run", "-p", CAPITAL, "-n", "1", "-c", "512"])?;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        !text(&out.stderr).contains("context 512"),
+        "-c is not announced"
+    );
     Ok(())
 }

@@ -39,6 +39,12 @@ pub struct EngineConfig {
     /// Reuse the KV of repeated prompt prefixes (prefix cache). On by default; off gives
     /// the reference behaviour that tests compare against (the output is identical).
     pub prefix_cache: bool,
+    /// The prefix cache's disk tier: full committed blocks saved under a directory and
+    /// read back on a RAM miss, so long prompts survive restarts (off by default; needs
+    /// [`EngineConfig::prefix_cache`] and a backend that can save its KV,
+    /// [`ForwardBackend::kv_block_format`]). [`Engine::disk_cache_state`] says whether it
+    /// works.
+    pub disk_cache: Option<crate::disk::DiskCacheConfig>,
     /// Speculative decoding (off by default; output is identical either way, G2).
     pub spec: SpecConfig,
 }
@@ -84,7 +90,7 @@ impl SpecConfig {
 
 impl Default for EngineConfig {
     /// 8 sequences, 16,384 KV token slots, 512 rows per step, 256-row prefill chunks, a
-    /// queue of 64, the backend's context, prefix cache on, speculation off.
+    /// queue of 64, the backend's context, prefix cache on, no disk tier, speculation off.
     fn default() -> Self {
         EngineConfig {
             max_seqs: 8,
@@ -94,6 +100,7 @@ impl Default for EngineConfig {
             queue_capacity: 64,
             context_len: 0,
             prefix_cache: true,
+            disk_cache: None,
             spec: SpecConfig::default(),
         }
     }
@@ -174,6 +181,9 @@ pub struct GenerateRequest {
     pub spec_policy: Option<spec::PolicyConfig>,
     /// Plain decoding for this request even when the engine speculates.
     pub no_spec: bool,
+    /// The cross-request suffix index's partition this request reads and feeds (the
+    /// server gives each API key its own; 0 = the shared one).
+    pub spec_partition: u64,
 }
 
 impl GenerateRequest {
@@ -191,6 +201,7 @@ impl GenerateRequest {
             drafter: None,
             spec_policy: None,
             no_spec: false,
+            spec_partition: 0,
         }
     }
 }
@@ -209,6 +220,7 @@ impl std::fmt::Debug for GenerateRequest {
             .field("drafter", &self.drafter.as_ref().map(|d| d.kind()))
             .field("spec_policy", &self.spec_policy)
             .field("no_spec", &self.no_spec)
+            .field("spec_partition", &self.spec_partition)
             .finish()
     }
 }
@@ -220,7 +232,8 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Generated tokens (an end-of-generation token that ended the sequence counts).
     pub completion_tokens: usize,
-    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    /// Prompt tokens whose KV came from the prefix cache (RAM, or read back from its disk
+    /// tier) instead of being computed.
     pub cached_tokens: usize,
     /// Speculation counters, when the request speculated (`None` in plain decoding).
     pub spec: Option<SpecStats>,
@@ -455,6 +468,10 @@ pub struct EngineMetrics {
     pub spec: SpecStats,
     /// Whether the cost model currently lets the draft model run.
     pub spec_draft_model_on: bool,
+    /// Tokens held by the cross-request suffix index (0 without one).
+    pub spec_suffix_stored_tokens: u64,
+    /// The prefix cache's disk tier (all zero and `enabled: false` without one).
+    pub disk: crate::disk::DiskCacheMetrics,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -510,6 +527,11 @@ impl Engine {
     /// The logit width of the backend.
     pub fn n_vocab(&self) -> usize {
         self.shared.limits.n_vocab
+    }
+
+    /// Whether the prefix cache's disk tier works, as decided at start (and why not).
+    pub fn disk_cache_state(&self) -> &crate::disk::DiskCacheState {
+        self.shared.disk_state()
     }
 
     /// Stops the loop: requests still queued or running end with
@@ -623,6 +645,41 @@ pub trait ForwardBackend: Send {
     /// [`ForwardBackend::kv_prepare`]. `logits` is cleared, then gets `n_vocab` values for
     /// each row with `wants_logits`, in row order.
     fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError>;
+    /// How this backend's KV blocks are laid out when saved
+    /// ([`ForwardBackend::kv_export_block`]): element type, shapes, layer windows — part of
+    /// the disk tier's key, so a different layout never matches. `None` (the default) when
+    /// the KV cannot be saved and restored: the disk tier is then off.
+    fn kv_block_format(&self) -> Option<String> {
+        None
+    }
+    /// Bytes of one exported block.
+    fn kv_block_bytes(&self) -> usize {
+        0
+    }
+    /// Appends to `out` the stored K/V, every layer, of logical block `block` (positions
+    /// `block * B..(block + 1) * B`) of `slot`: the exact bits a restore writes back.
+    fn kv_export_block(
+        &self,
+        slot: KvSlot,
+        block: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<(), BackendError> {
+        let _ = (slot, block, out);
+        Err(BackendError::Other(
+            "this backend cannot save its KV cache".into(),
+        ))
+    }
+    /// Appends one block holding `data` (as [`ForwardBackend::kv_export_block`] wrote it)
+    /// to `slot`, whose length must be a whole number of blocks; layers of a sliding
+    /// window keep only what the next query sees. Afterwards the sequence is exactly the
+    /// one that computed those positions. [`BackendError::OutOfBlocks`] when the pool is
+    /// short (nothing changed).
+    fn kv_restore_block(&mut self, slot: KvSlot, data: &[u8]) -> Result<(), BackendError> {
+        let _ = (slot, data);
+        Err(BackendError::Other(
+            "this backend cannot restore its KV cache".into(),
+        ))
+    }
     /// The target rows `slot`'s forwards captured (a DSpark drafter reads them), when this
     /// backend captures; `None` by default.
     fn target_rows(&self, slot: KvSlot) -> Option<&dyn spec::TargetRows> {

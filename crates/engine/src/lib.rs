@@ -34,12 +34,14 @@
 //! ```
 //!
 //! Layout: [`api`] (every public type: the contract), [`scheduler`] (pure planning over
-//! plain numbers), [`prefix`] (the block-hash prefix index), `step` (the loop), `fake`
+//! plain numbers), [`prefix`] (the block-hash prefix index), [`disk`] (its disk tier),
+//! `step` (the loop), `fake`
 //! and `model_backend` (the paged-KV backends), `deepseek4_backend` (DeepSeek V4's
 //! per-sequence state), `slots` (KV slot bookkeeping shared by the first two).
 
 pub mod api;
 mod deepseek4_backend;
+pub mod disk;
 mod fake;
 #[cfg(feature = "grammar")]
 mod grammar_constraint;
@@ -56,6 +58,7 @@ pub use api::{
     TokenConstraint, TokenMask, Usage,
 };
 pub use deepseek4_backend::Deepseek4Backend;
+pub use disk::{DiskCacheConfig, DiskCacheMetrics, DiskCacheState, KV_NUMERICS_VERSION};
 pub use fake::{FakeBackend, FakeStats, fake_logits};
 pub use model_backend::{KvPoolUsage, ModelBackend};
 pub use step::logit_digest;

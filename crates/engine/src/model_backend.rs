@@ -285,6 +285,71 @@ impl ForwardBackend for ModelBackend {
         }
     }
 
+    fn kv_block_format(&self) -> Option<String> {
+        let kv = self.kv.as_ref()?;
+        let c = kv.config();
+        Some(format!(
+            "cpu paged KV v1: {} layers, {} KV heads of {}, blocks of {}, {:?}, windows {:?}, \
+             {} bytes",
+            c.windows.len(),
+            c.n_kv_head,
+            c.head_dim,
+            c.block_size,
+            c.kv_type,
+            c.windows,
+            kv.block_bytes()
+        ))
+    }
+
+    fn kv_block_bytes(&self) -> usize {
+        self.kv.as_ref().map_or(0, KvCache::block_bytes)
+    }
+
+    fn kv_export_block(
+        &self,
+        slot: KvSlot,
+        block: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<(), BackendError> {
+        let kv = self
+            .kv
+            .as_ref()
+            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        kv.export_block(self.slots.get(slot)?, block, out)
+            .map_err(map_kv_err)
+    }
+
+    fn kv_restore_block(&mut self, slot: KvSlot, data: &[u8]) -> Result<(), BackendError> {
+        let kv = self
+            .kv
+            .as_mut()
+            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let bs = kv.config().block_size.max(1);
+        let seq = self.slots.get_mut(slot)?;
+        let len = seq.len();
+        if len % bs != 0 {
+            return Err(BackendError::Other(format!(
+                "a restored block must start at a block boundary, the sequence has {len} \
+                 positions"
+            )));
+        }
+        let free = kv
+            .allocator(accounting_group(kv))
+            .map_or(0, |a| a.free_count());
+        if free == 0 {
+            return Err(BackendError::OutOfBlocks { needed: 1, free });
+        }
+        grow_sliding_pools(kv, 1)?;
+        kv.reserve(seq, len + bs).map_err(map_kv_err)?;
+        if let Err(e) = kv.import_block(seq, len / bs, data) {
+            kv.truncate(seq, len);
+            return Err(map_kv_err(e));
+        }
+        // As after computing the block: only the window of the next query stays.
+        kv.release_outside_window(seq, len + bs - 1);
+        Ok(())
+    }
+
     fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError> {
         logits.clear();
         // Distinct slots in order of first appearance; rows name them by index.

@@ -18,6 +18,7 @@ use crate::api::{
     ForwardRow, GenerateRequest, KvSlot, RequestHandle, StopCause, SubmitError, Timings,
     TokenConstraint, TokenMask, Usage,
 };
+use crate::disk::{DiskCacheState, DiskShared, DiskTier};
 use crate::prefix::{BlockHash, PrefixIndex, chain_hash};
 use crate::scheduler::{KvBudget, RunningSeq, SchedLimits, StepPlan, WaitingSeq, plan_step};
 use sampling::{ChoiceContext, Sampler, SamplingParams, StopChecker, StopStep};
@@ -70,6 +71,9 @@ pub(crate) struct Shared {
     cv: Condvar,
     metrics: Mutex<EngineMetrics>,
     next_id: AtomicU64,
+    /// The disk tier's live counters (when it is on).
+    disk: Option<Arc<DiskShared>>,
+    disk_state: DiskCacheState,
 }
 
 impl std::fmt::Debug for Shared {
@@ -100,7 +104,14 @@ impl Shared {
     pub(crate) fn metrics(&self) -> EngineMetrics {
         let mut m = lock(&self.metrics).clone();
         m.queue_depth = lock(&self.inbox).queued;
+        if let Some(d) = &self.disk {
+            m.disk = d.metrics();
+        }
         m
+    }
+
+    pub(crate) fn disk_state(&self) -> &DiskCacheState {
+        &self.disk_state
     }
 }
 
@@ -131,6 +142,7 @@ pub(crate) fn start(
         n => n,
     };
     backend.init_kv(cfg.kv_tokens)?;
+    let (disk, disk_state) = open_disk(&cfg, backend.as_ref());
     let limits = Limits {
         context_len,
         n_vocab: backend.n_vocab(),
@@ -148,16 +160,65 @@ pub(crate) fn start(
             ..EngineMetrics::default()
         }),
         next_id: AtomicU64::new(1),
+        disk: disk.as_ref().map(DiskTier::shared),
+        disk_state,
     });
     let loop_shared = shared.clone();
     let thread = std::thread::Builder::new()
         .name("lockstep-engine".into())
-        .spawn(move || run(loop_shared, backend, text, cfg))
+        .spawn(move || run(loop_shared, backend, text, cfg, disk))
         .map_err(|e| EngineError::Thread(e.to_string()))?;
     Ok(crate::Engine {
         shared,
         thread: Some(thread),
     })
+}
+
+/// The disk tier `cfg` asks for, when it can work with `backend`, and what to report.
+fn open_disk(
+    cfg: &EngineConfig,
+    backend: &dyn ForwardBackend,
+) -> (Option<DiskTier>, DiskCacheState) {
+    let Some(dc) = &cfg.disk_cache else {
+        return (None, DiskCacheState::Off);
+    };
+    let why = if !cfg.prefix_cache {
+        Some("the prefix cache is off".to_string())
+    } else if !backend.shares_prefixes() {
+        Some(
+            "this model's sequences share no prefixes (DeepSeek V4 keeps compressor and \
+             indexer state that is not saved at block boundaries), so nothing is cached"
+                .to_string(),
+        )
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        return (None, DiskCacheState::Unavailable(why));
+    }
+    let Some(layout) = backend.kv_block_format() else {
+        return (
+            None,
+            DiskCacheState::Unavailable(
+                "this backend's KV cache cannot be saved and restored yet (the disk tier \
+                 works with the CPU backend only)"
+                    .into(),
+            ),
+        );
+    };
+    match DiskTier::open(dc, &layout, backend.kv_block_bytes()) {
+        Ok(tier) => (
+            Some(tier),
+            DiskCacheState::On {
+                dir: dc.dir.clone(),
+                max_bytes: dc.max_bytes,
+            },
+        ),
+        Err(e) => (
+            None,
+            DiskCacheState::Unavailable(format!("opening {}: {e}", dc.dir.display())),
+        ),
+    }
 }
 
 pub(crate) fn submit(
@@ -383,6 +444,8 @@ struct Loop<'t> {
     occupancy_total: f64,
     /// Engine-wide speculation cost measurements.
     cost: CostModel,
+    /// The prefix cache's disk tier.
+    disk: Option<DiskTier>,
 }
 
 fn run(
@@ -390,6 +453,7 @@ fn run(
     backend: Box<dyn ForwardBackend>,
     tok: Arc<Tokenizer>,
     cfg: EngineConfig,
+    disk: Option<DiskTier>,
 ) {
     let tok_ref: &Tokenizer = &tok;
     let limits = shared.limits;
@@ -420,6 +484,7 @@ fn run(
         step_ms_total: 0.0,
         occupancy_total: 0.0,
         cost: CostModel::new(),
+        disk,
     };
     loop {
         let incoming = {
@@ -465,7 +530,9 @@ impl<'t> Loop<'t> {
         let drafter: Option<Box<dyn Drafter>> = match req.drafter {
             Some(d) if !req.no_spec => Some(d),
             None if !req.no_spec && spec_cfg.is_on() => Some(Box::new(
-                spec_cfg.drafters.build_with_text(Some(&self.tok_arc)),
+                spec_cfg
+                    .drafters
+                    .build_for(Some(&self.tok_arc), req.spec_partition),
             )),
             _ => None,
         };
@@ -537,6 +604,10 @@ impl<'t> Loop<'t> {
     /// Ends a sequence: frees everything, updates the counters, sends the last event
     /// (after the counters are published, so a caller that saw it sees them).
     fn end(&mut self, mut seq: Seq<'t>, exit: Exit) {
+        if let (Exit::Finished(_), Some(sp)) = (&exit, seq.spec.as_mut()) {
+            // Drafters that learn across requests record the finished sequence.
+            sp.drafter.finish(&seq.tokens);
+        }
         self.free_kv(&mut seq);
         if seq.admitted.is_none() && !matches!(exit, Exit::Finished(_)) {
             // Left before ever being admitted.
@@ -646,6 +717,11 @@ impl<'t> Loop<'t> {
         for s in self.waiting.iter_mut().take(look) {
             s.extend_hashes(bs);
         }
+        if self.disk.is_some() {
+            for i in 0..self.waiting.len().min(look) {
+                self.restore_from_disk(i);
+            }
+        }
         for s in self.waiting.iter().take(look) {
             let (cached, m) = self.prefix_match(s);
             waiting.push(WaitingSeq {
@@ -664,6 +740,64 @@ impl<'t> Loop<'t> {
         };
         let plan = plan_step(&sched_limits, &running, &waiting, kv);
         self.apply(plan, t0);
+    }
+
+    /// Reads back from disk the blocks of waiting sequence `i` that follow its longest
+    /// prefix in RAM, as idle prefix-cache entries (so the scheduler sees them as cached
+    /// and admission forks them like any cached prefix). Stops at the first block not on
+    /// disk, and while fewer than two blocks are free (restoring never evicts).
+    fn restore_from_disk(&mut self, i: usize) {
+        let Some(disk) = self.disk.as_ref() else {
+            return;
+        };
+        if !self.cfg.prefix_cache {
+            return;
+        }
+        let bs = self.limits.block_size;
+        let Some(s) = self.waiting.get(i) else { return };
+        let m = self.index.lookup(&s.hashes, &s.tokens, bs);
+        let (mut d, mut holder) = (m.blocks, m.holder);
+        let mut restored = 0u64;
+        while d < s.hashes.len() && self.backend.free_blocks() >= 2 {
+            let h = s.hashes[d];
+            if !disk.contains(&h) {
+                break;
+            }
+            let parent = d.checked_sub(1).map(|p| s.hashes[p]);
+            let tokens = &s.tokens[d * bs..(d + 1) * bs];
+            let Some(block) = disk.read(&h, parent.as_ref(), tokens) else {
+                break;
+            };
+            let slot = match holder {
+                Some(src) => match self.backend.kv_fork(src, d * bs) {
+                    Ok(slot) => slot,
+                    Err(_) => break,
+                },
+                None => self.backend.kv_new(),
+            };
+            match self.backend.kv_restore_block(slot, block.payload()) {
+                Ok(()) => {}
+                Err(e) => {
+                    self.backend.kv_release(slot);
+                    if !matches!(e, BackendError::OutOfBlocks { .. }) {
+                        disk.reject(&h, &e.to_string());
+                    }
+                    break;
+                }
+            }
+            if !self.index.publish(h, parent, tokens, slot) {
+                self.backend.kv_release(slot);
+                break;
+            }
+            // Published as idle: no sequence uses it until one is admitted.
+            self.index.release(&[h]);
+            holder = Some(slot);
+            restored += 1;
+            d += 1;
+        }
+        if restored > 0 {
+            disk.count_hits(restored);
+        }
     }
 
     fn position_running(&self, id: u64) -> Option<usize> {
@@ -695,6 +829,7 @@ impl<'t> Loop<'t> {
         let bs = self.limits.block_size;
         s.extend_hashes(bs);
         let (cached, m) = self.prefix_match(&s);
+        let mut matched = 0;
         let slot = match m.holder {
             Some(holder) if cached > 0 => match self.backend.kv_fork(holder, m.blocks * bs) {
                 Ok(slot) => {
@@ -703,6 +838,7 @@ impl<'t> Loop<'t> {
                     s.computed = cached;
                     s.cow_pending = cached < m.blocks * bs;
                     s.published = m.blocks;
+                    matched = m.blocks;
                     self.metrics.prefix_cache_hit_tokens += cached as u64;
                     slot
                 }
@@ -712,6 +848,10 @@ impl<'t> Loop<'t> {
         };
         s.slot = Some(slot);
         if s.admitted.is_none() {
+            if let Some(disk) = &self.disk {
+                let full = (s.prompt_len / bs) as u64;
+                disk.count_misses(full.saturating_sub(matched as u64));
+            }
             s.admitted = Some(Instant::now());
             s.cached_tokens = Some(s.computed.min(s.prompt_len));
             self.dequeue();
@@ -994,6 +1134,20 @@ impl<'t> Loop<'t> {
                 .publish(h, parent, &s.tokens[d * bs..(d + 1) * bs], holder)
             {
                 s.used.push(h);
+                if let Some(disk) = &self.disk
+                    && disk.writing()
+                    && !disk.contains(&h)
+                {
+                    let mut payload = Vec::new();
+                    if self
+                        .backend
+                        .kv_export_block(holder, d, &mut payload)
+                        .is_ok()
+                    {
+                        let tokens = s.tokens[d * bs..(d + 1) * bs].to_vec();
+                        disk.submit(h, parent, tokens, payload);
+                    }
+                }
             } else {
                 self.backend.kv_release(holder);
             }
@@ -1214,9 +1368,11 @@ impl<'t> Loop<'t> {
         self.metrics
             .spec
             .record_cycle(k, forced.min(k), accepted, saved_us);
+        self.metrics.spec.record_source(source, free, free_accepted);
         let s = &mut self.running[at];
         if let Some(sp) = s.spec.as_mut() {
             sp.stats.record_cycle(k, forced.min(k), accepted, saved_us);
+            sp.stats.record_source(source, free, free_accepted);
             sp.policy.record(source, free, free_accepted);
         }
         if exit.is_some() {
@@ -1240,6 +1396,9 @@ impl<'t> Loop<'t> {
         self.metrics.kv_free_blocks = self.backend.free_blocks();
         self.metrics.kv_total_blocks = self.backend.total_blocks();
         self.metrics.prefix_cached_blocks = self.index.len();
+        if let Some(ix) = &self.cfg.spec.drafters.suffix {
+            self.metrics.spec_suffix_stored_tokens = ix.counters().stored_tokens;
+        }
         *lock(&self.shared.metrics) = self.metrics.clone();
     }
 

@@ -92,6 +92,7 @@ fn engine(t: &Target, capture: Option<&[usize]>, spec: SpecConfig) -> Engine {
         queue_capacity: 64,
         context_len: 0,
         prefix_cache: true,
+        disk_cache: None,
         spec,
     };
     let mut b = Deepseek4Backend::new(t.model.clone());

@@ -74,6 +74,7 @@ fn engine(t: &Target, spec: SpecConfig) -> Engine {
         queue_capacity: 64,
         context_len: 0,
         prefix_cache: true,
+        disk_cache: None,
         spec,
     };
     Engine::start(

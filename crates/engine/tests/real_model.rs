@@ -44,6 +44,7 @@ fn cfg() -> EngineConfig {
         queue_capacity: 16,
         context_len: 0,
         prefix_cache: true,
+        disk_cache: None,
         spec: Default::default(),
     }
 }

@@ -10,7 +10,6 @@ use lockstep_engine::{
     SamplingParams, SpecConfig, SpecStats, StopCause, Usage,
 };
 use spec::{Adversary, DraftModel, DrafterSet, Oracle, PolicyConfig};
-use std::path::PathBuf;
 use std::sync::Arc;
 use text::{EncodeOptions, Tokenizer};
 
@@ -41,6 +40,7 @@ fn cfg(spec: SpecConfig) -> EngineConfig {
         queue_capacity: 64,
         context_len: 0,
         prefix_cache: true,
+        disk_cache: None,
         spec,
     }
 }
@@ -163,19 +163,12 @@ fn golden_prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
     struct P {
         text: String,
     }
-    let dir = match std::env::var_os("LOCKSTEP_SHARED") {
-        Some(d) => PathBuf::from(d),
-        None => {
-            let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-            let manifest = std::fs::canonicalize(&manifest).unwrap_or(manifest);
-            manifest
-                .ancestors()
-                .map(|b| b.join("shared"))
-                .find(|c| c.join("golden/prompts.json").is_file())
-                .expect("shared/golden beside the checkout (or set LOCKSTEP_SHARED)")
-        }
-    };
-    let bytes = std::fs::read(dir.join("golden/prompts.json")).expect("prompts.json");
+    // The prompts of the model crate's golden references.
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../model/tests/data/golden/prompts.json"
+    );
+    let bytes = std::fs::read(path).expect("prompts.json");
     let ps: Vec<P> = serde_json::from_slice(&bytes).expect("prompts JSON");
     assert!(ps.len() >= 8);
     ps.iter()
@@ -243,6 +236,7 @@ fn check_all_drafters(
                     ngram: None,
                     draft_model: Some(dm),
                     dspark: None,
+                    suffix: None,
                 })
             },
         );
@@ -475,6 +469,7 @@ fn qwen_coder_half_b_drafting_for_one_and_a_half_b_equals_plain_decoding() {
                 ngram: None,
                 draft_model: Some(dm),
                 dspark: None,
+                suffix: None,
             })
         },
     );

@@ -6,6 +6,8 @@ use lockstep_model::BatchRow;
 
 #[test]
 fn smollm2_logprobs_and_greedy_match_llama_cpp() {
+    // Measured (2026-12-04): max 0.74, mean 0.20, greedy 76/76; long: 0.63, 0.19, 2/2.
+    // llama.cpp against itself: 0.81 / 0.19 and 0.47 / 0.16 (tools/numerics/FINDINGS.md).
     assert_golden(
         "smollm2-135m",
         &[

@@ -195,6 +195,11 @@ pub struct ChatCompletionRequest {
     /// Keep generating past end-of-text (extension).
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// Speculative decoding for this request (extension): `false` decodes plainly on a
+    /// server started with speculation; `true` (or absent) uses the server's setting, and
+    /// `true` on a server without speculation is a 400. The output is the same either way.
+    #[serde(default)]
+    pub speculation: Option<bool>,
 }
 sampling_fields!(ChatCompletionRequest);
 

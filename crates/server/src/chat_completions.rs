@@ -65,6 +65,7 @@ pub fn prepare(state: &AppState, req: &ChatCompletionRequest) -> Result<Job, Api
         parallel: req.parallel_tool_calls.unwrap_or(true),
     };
     setup.validate("tools")?;
+    request::check_roles(&req.messages)?;
     let format = request::chat_format(req.response_format.as_ref())?;
     let prompt = request::chat_prompt(model, &req.messages, Some(&setup))?;
     request::check_prompt_len(prompt.len(), model.context_len())?;
@@ -86,6 +87,7 @@ pub fn prepare(state: &AppState, req: &ChatCompletionRequest) -> Result<Job, Api
         logprobs,
         constraint,
         tools: setup.active().then_some(setup),
+        thinking: None,
     })
 }
 
@@ -98,6 +100,7 @@ pub async fn serve(state: Arc<AppState>, req: ChatCompletionRequest) -> Result<R
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
+    let plain = request::plain_decoding(req.speculation, state.model.speculates())?;
     let st = Arc::clone(&state);
     let job = tokio::task::spawn_blocking(move || prepare(&st, &req))
         .await
@@ -112,7 +115,12 @@ pub async fn serve(state: Arc<AppState>, req: ChatCompletionRequest) -> Result<R
         logprobs: job.logprobs.is_some(),
         include_usage,
     };
-    let run = Run::start(Arc::clone(&state.model), Arc::clone(&state.metrics), &job)?;
+    let run = Run::start_with(
+        Arc::clone(&state.model),
+        Arc::clone(&state.metrics),
+        &job,
+        plain,
+    )?;
     if stream {
         Ok(stream_response(run, meta, state).into_response())
     } else {
@@ -274,11 +282,12 @@ impl ChunkEncoder {
                 let c = self.choice(choice, json!({"tool_calls": [call]}), None);
                 vec![self.chunk(vec![c])]
             }
-            RunEvent::CallEnd { .. } => Vec::new(),
+            RunEvent::CallEnd { .. } | RunEvent::Thinking { .. } => Vec::new(),
             RunEvent::Done {
                 choice,
                 finish_reason,
                 usage,
+                ..
             } => {
                 self.usage.push(usage);
                 let c = self.choice(choice, json!({}), Some(finish_reason));

@@ -90,6 +90,7 @@ pub fn prepare(state: &AppState, req: &CompletionRequest) -> Result<(Job, String
         logprobs,
         constraint: None,
         tools: None,
+        thinking: None,
     };
     Ok((job, text))
 }
@@ -220,6 +221,7 @@ fn stream_response(
                     choice,
                     finish_reason,
                     usage: u,
+                    ..
                 } => {
                     usage.push(u);
                     (choice, String::new(), Some(finish_reason))
@@ -232,7 +234,8 @@ fn stream_response(
                 }
                 RunEvent::CallStart { .. }
                 | RunEvent::CallDelta { .. }
-                | RunEvent::CallEnd { .. } => {
+                | RunEvent::CallEnd { .. }
+                | RunEvent::Thinking { .. } => {
                     continue;
                 }
             };

@@ -1,13 +1,14 @@
-//! The OpenAI-compatible HTTP server: chat completions, completions, responses, models,
-//! health and metrics.
+//! The OpenAI- and Anthropic-compatible HTTP server: chat completions, completions,
+//! responses, messages, models, health and metrics, and the chat page at `/` ([`page`]).
 //!
 //! [`ServedModel::load`] loads a GGUF and starts the engine; [`Server::bind`] binds an
 //! address; [`Server::serve`] runs until a shutdown future completes (graceful: in-flight
 //! requests finish within a grace period). Handlers are thin: request bodies are `serde`
 //! types ([`api`]) parsed by an extractor that names the field at fault; the work lives in
 //! [`request`] (validation, prompt, constraints), [`run`] (engine bridge), and one module
-//! per endpoint that encodes OpenAI's response shapes; every failure is an [`ApiError`]
-//! with OpenAI's error body.
+//! per endpoint that encodes OpenAI's response shapes ([`anthropic`]: Anthropic's Messages
+//! API, translated onto the same path); every failure is an [`ApiError`] with OpenAI's
+//! error body (Anthropic's on the messages routes).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -21,6 +22,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod anthropic;
 pub mod api;
 pub mod chat_completions;
 pub mod completions;
@@ -28,6 +30,7 @@ pub mod constraint;
 pub mod error;
 pub mod extract;
 pub mod metrics;
+pub mod page;
 pub mod prompt;
 pub mod request;
 pub mod responses;

@@ -214,6 +214,7 @@ impl Metrics {
             engine.kv_total_blocks.to_string(),
         );
         render_spec(&mut metric, engine, spec);
+        render_disk_cache(&mut metric, engine);
         let _ = writeln!(
             out,
             "# HELP lockstep_http_requests_total HTTP requests by endpoint and status."
@@ -255,6 +256,79 @@ impl Metrics {
         }
         out
     }
+}
+
+/// The prefix cache's disk tier (`--disk-cache`): all zero when it is off.
+fn render_disk_cache(metric: &mut impl FnMut(&str, &str, &str, String), engine: &EngineMetrics) {
+    let d = &engine.disk;
+    metric(
+        "lockstep_disk_cache_enabled",
+        "gauge",
+        "1 when KV blocks are saved to and read back from disk, else 0.",
+        u8::from(d.enabled).to_string(),
+    );
+    for (name, help, value) in [
+        (
+            "lockstep_disk_cache_hit_blocks_total",
+            "KV blocks read back from disk instead of being computed.",
+            d.hit_blocks,
+        ),
+        (
+            "lockstep_disk_cache_miss_blocks_total",
+            "Full prompt blocks found neither in RAM nor on disk at admission.",
+            d.miss_blocks,
+        ),
+        (
+            "lockstep_disk_cache_read_bytes_total",
+            "Bytes of block files read back.",
+            d.bytes_read,
+        ),
+        (
+            "lockstep_disk_cache_written_bytes_total",
+            "Bytes of block files written.",
+            d.bytes_written,
+        ),
+        (
+            "lockstep_disk_cache_evictions_total",
+            "Block files removed to stay under --disk-cache-gib (least recently used first).",
+            d.evictions,
+        ),
+        (
+            "lockstep_disk_cache_dropped_writes_total",
+            "Block writes dropped because the writer's queue was full.",
+            d.dropped_writes,
+        ),
+        (
+            "lockstep_disk_cache_rejected_files_total",
+            "Truncated, corrupt or foreign block files found and removed.",
+            d.rejected_files,
+        ),
+        (
+            "lockstep_disk_cache_write_errors_total",
+            "Failed block writes (after one, writing stops).",
+            d.write_errors,
+        ),
+    ] {
+        metric(name, "counter", help, value.to_string());
+    }
+    metric(
+        "lockstep_disk_cache_read_seconds_total",
+        "counter",
+        "Time spent reading and checking block files (read bytes over it is the read rate).",
+        format!("{:.6}", d.read_micros as f64 / 1e6),
+    );
+    metric(
+        "lockstep_disk_cache_bytes",
+        "gauge",
+        "Bytes of block files in the disk cache directory.",
+        d.bytes.to_string(),
+    );
+    metric(
+        "lockstep_disk_cache_files",
+        "gauge",
+        "Block files in the disk cache directory.",
+        d.files.to_string(),
+    );
 }
 
 /// The speculative-decoding counters of the engine (all requests, finished or not).
@@ -322,9 +396,30 @@ fn render_spec(
             "Steps whose drafts were dropped for lack of row budget or KV blocks.",
             s.sched_skips,
         ),
+        (
+            "lockstep_spec_suffix_cycles_total",
+            "Verify cycles drafted by the cross-request suffix index.",
+            s.suffix_cycles,
+        ),
+        (
+            "lockstep_spec_suffix_drafted_tokens_total",
+            "Draft tokens of the cross-request suffix index verified.",
+            s.suffix_drafted,
+        ),
+        (
+            "lockstep_spec_suffix_accepted_tokens_total",
+            "Draft tokens of the cross-request suffix index accepted.",
+            s.suffix_accepted,
+        ),
     ] {
         metric(name, "counter", help, value.to_string());
     }
+    metric(
+        "lockstep_spec_suffix_stored_tokens",
+        "gauge",
+        "Tokens held by the cross-request suffix index (earlier requests' sequences).",
+        engine.spec_suffix_stored_tokens.to_string(),
+    );
     metric(
         "lockstep_spec_accept_rate",
         "gauge",

@@ -92,6 +92,17 @@ impl ChatPrompter {
         messages: &[Message],
         tools: Option<&[Value]>,
     ) -> Result<ChatPrompt, PromptError> {
+        self.prompt_with(tokenizer, messages, tools, Default::default())
+    }
+
+    /// [`ChatPrompter::prompt`] with extra template variables (`enable_thinking`).
+    pub fn prompt_with(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[Message],
+        tools: Option<&[Value]>,
+        extra: serde_json::Map<String, Value>,
+    ) -> Result<ChatPrompt, PromptError> {
         let mut msgs_value =
             serde_json::to_value(messages).map_err(|e| PromptError::Conversation(e.to_string()))?;
         self.defuse_value(&mut msgs_value)?;
@@ -110,12 +121,7 @@ impl ChatPrompter {
         };
         let rendered = self
             .template
-            .render(
-                &defused_msgs,
-                defused_tools.as_deref(),
-                true,
-                Default::default(),
-            )
+            .render(&defused_msgs, defused_tools.as_deref(), true, extra)
             .map_err(|e| PromptError::Template(e.to_string()))?;
         let mut tokens = Vec::new();
         let mut text = String::with_capacity(rendered.len());

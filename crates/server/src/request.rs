@@ -41,6 +41,10 @@ pub struct Job {
     pub constraint: Option<ConstraintPlan>,
     /// Active tools (the output is parsed for calls).
     pub tools: Option<ToolSetup>,
+    /// Split a reasoning segment (`<think>…</think>`) off the front of the output:
+    /// `Some(true)` when the prompt already opened it, `Some(false)` when the model opens
+    /// it itself (if it does); `None`: the output is all answer.
+    pub thinking: Option<bool>,
 }
 
 impl Job {
@@ -191,6 +195,24 @@ fn logit_bias(bias: &BTreeMap<String, f32>, n_vocab: usize) -> Result<Vec<(u32, 
         out.push((id, if v <= -100.0 { f32::NEG_INFINITY } else { v }));
     }
     Ok(out)
+}
+
+/// The `speculation` extension field checked against the server: `true` when this request
+/// decodes plainly (`speculation: false`); asking for speculation from a server started
+/// without it is a 400.
+pub fn plain_decoding(
+    speculation: Option<bool>,
+    server_speculates: bool,
+) -> Result<bool, ApiError> {
+    match speculation {
+        Some(true) if !server_speculates => Err(ApiError::invalid(
+            "speculation",
+            "this server was started without speculative decoding (start it with --ngram, \
+             --draft MODEL or --spec auto); `speculation: true` cannot be honoured",
+        )),
+        Some(on) => Ok(!on),
+        None => Ok(false),
+    }
 }
 
 /// `n` checked.
@@ -507,12 +529,51 @@ pub fn responses_format(format: Option<&Value>) -> Result<Option<Constraint>, Ap
     }
 }
 
+/// The roles a chat-completions message may have (OpenAI's list).
+pub const CHAT_ROLES: [&str; 6] = [
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
+
+/// Refuses a message whose role is not one of [`CHAT_ROLES`] (OpenAI answers 400; a
+/// template would otherwise render an unknown role as if it were valid).
+pub fn check_roles(messages: &[Message]) -> Result<(), ApiError> {
+    for (i, m) in messages.iter().enumerate() {
+        if !CHAT_ROLES.contains(&m.role.as_str()) {
+            return Err(ApiError::invalid(
+                format!("messages[{i}].role"),
+                format!(
+                    "invalid role {:?} in messages[{i}]: expected one of {}",
+                    m.role,
+                    CHAT_ROLES.join(", ")
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Renders a conversation (with the tools when active) into prompt tokens.
 pub fn chat_prompt(
     model: &ServedModel,
     messages: &[Message],
     tools: Option<&ToolSetup>,
 ) -> Result<Vec<u32>, ApiError> {
+    chat_prompt_with(model, messages, tools, Default::default()).map(|p| p.tokens)
+}
+
+/// [`chat_prompt`] with extra template variables (`enable_thinking`), returning the
+/// rendered text with the tokens.
+pub fn chat_prompt_with(
+    model: &ServedModel,
+    messages: &[Message],
+    tools: Option<&ToolSetup>,
+    extra: serde_json::Map<String, Value>,
+) -> Result<crate::prompt::ChatPrompt, ApiError> {
     let prompter = model.prompter.as_ref().ok_or_else(|| {
         ApiError::bad_request(format!(
             "the model {} has no chat template (it is a base model); use /v1/completions",
@@ -547,8 +608,7 @@ pub fn chat_prompt(
             m.role = "system".into();
         }
     }
-    let prompt = prompter
-        .prompt(&model.tokenizer, &msgs, template_tools.as_deref())
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    Ok(prompt.tokens)
+    prompter
+        .prompt_with(&model.tokenizer, &msgs, template_tools.as_deref(), extra)
+        .map_err(|e| ApiError::invalid("messages", e.to_string()))
 }

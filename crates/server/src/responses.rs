@@ -292,6 +292,7 @@ fn prepare(state: &AppState, req: &ResponsesRequest) -> Result<(Job, Vec<Message
         logprobs: None,
         constraint,
         tools: setup.active().then_some(setup),
+        thinking: None,
     };
     Ok((job, history))
 }
@@ -634,7 +635,7 @@ impl Builder {
                 self.finish = finish_reason;
                 self.usage = usage;
             }
-            RunEvent::Logprobs { .. } | RunEvent::Failed { .. } => {}
+            RunEvent::Logprobs { .. } | RunEvent::Failed { .. } | RunEvent::Thinking { .. } => {}
         }
         out
     }

@@ -15,7 +15,7 @@ use crate::api::{ChatCompletionRequest, CompletionRequest, ResponsesRequest};
 use crate::error::ApiError;
 use crate::extract::{ApiJson, BodyLimit};
 use crate::state::AppState;
-use crate::{chat_completions, completions, responses};
+use crate::{anthropic, chat_completions, completions, page, responses};
 
 type Shared = Arc<AppState>;
 
@@ -29,8 +29,11 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/completions", post(completion))
         .route("/v1/responses", post(create_response))
         .route("/v1/responses/{id}", get(get_response))
+        .merge(anthropic::routes())
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()
+        .route("/", get(page::index))
+        .route("/assets/{name}", get(page::asset))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .merge(v1)
@@ -40,6 +43,7 @@ pub fn router(state: Shared) -> Router {
             state.clone(),
             count_requests,
         ))
+        .layer(middleware::from_fn(anthropic::error_bodies))
         .layer(DefaultBodyLimit::max(limit))
         .layer(Extension(BodyLimit(limit)))
         .with_state(state)
@@ -52,6 +56,7 @@ async fn health(State(state): State<Shared>) -> Json<Value> {
         "model": state.model.name(),
         "running": m.running,
         "queued": m.queue_depth,
+        "speculation": state.model.speculates(),
     }))
 }
 
@@ -69,9 +74,9 @@ async fn metrics(State(state): State<Shared>) -> Response {
         .into_response()
 }
 
-fn model_object(state: &AppState) -> Value {
+fn model_object(state: &AppState, id: &str) -> Value {
     json!({
-        "id": state.model.name(),
+        "id": id,
         "object": "model",
         "created": state.model.created(),
         "owned_by": "lockstep",
@@ -80,7 +85,11 @@ fn model_object(state: &AppState) -> Value {
 }
 
 async fn list_models(State(state): State<Shared>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [model_object(&state)]}))
+    let data: Vec<Value> = std::iter::once(state.model.name())
+        .chain(state.model.listed_aliases().iter().map(String::as_str))
+        .map(|id| model_object(&state, id))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 async fn get_model(
@@ -88,7 +97,11 @@ async fn get_model(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     state.check_model(Some(&id))?;
-    Ok(Json(model_object(&state)))
+    let listed = state.model.listed_aliases().contains(&id);
+    Ok(Json(model_object(
+        &state,
+        if listed { &id } else { state.model.name() },
+    )))
 }
 
 async fn chat(
@@ -127,7 +140,8 @@ async fn method_not_allowed() -> ApiError {
     ApiError::MethodNotAllowed
 }
 
-/// Checks `Authorization: Bearer <key>` when a key is configured.
+/// Checks `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's clients) when
+/// a key is configured.
 async fn require_key(
     State(state): State<Shared>,
     headers: HeaderMap,
@@ -135,7 +149,7 @@ async fn require_key(
     next: Next,
 ) -> Response {
     if let Some(key) = &state.config.api_key {
-        let given = headers
+        let bearer = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| {
@@ -143,7 +157,13 @@ async fn require_key(
                     .or_else(|| v.strip_prefix("bearer "))
             })
             .map(str::trim);
-        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
+        let x_api_key = headers
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim);
+        let matches =
+            |g: Option<&str>| g.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()));
+        if !(matches(bearer) || matches(x_api_key)) {
             return ApiError::Unauthorized.into_response();
         }
     }
@@ -177,12 +197,16 @@ async fn count_requests(State(state): State<Shared>, req: Request, next: Next) -
 /// unbounded label sets).
 fn endpoint_label(path: &str) -> &'static str {
     match path {
+        "/" => "/",
+        p if p.starts_with("/assets/") => "/assets/{name}",
         "/health" => "/health",
         "/metrics" => "/metrics",
         "/v1/models" => "/v1/models",
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/completions" => "/v1/completions",
         "/v1/responses" => "/v1/responses",
+        "/v1/messages" => "/v1/messages",
+        "/v1/messages/count_tokens" => "/v1/messages/count_tokens",
         p if p.starts_with("/v1/models/") => "/v1/models/{id}",
         p if p.starts_with("/v1/responses/") => "/v1/responses/{id}",
         _ => "other",

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use engine::{Event, FinishReason, Usage};
+use engine::{Event, FinishReason, StopCause, Usage};
 use tokio::sync::mpsc;
 
 use crate::error::ApiError;
@@ -30,6 +30,14 @@ pub struct TokenLogprob {
 /// What a run reports, per choice.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RunEvent {
+    /// Reasoning text (the `<think>…</think>` segment of a job with
+    /// [`Job::thinking`]), reported before any content.
+    Thinking {
+        /// Choice index.
+        choice: usize,
+        /// The text.
+        text: String,
+    },
     /// Content text.
     Content {
         /// Choice index.
@@ -79,6 +87,8 @@ pub enum RunEvent {
         finish_reason: &'static str,
         /// Token counts.
         usage: Usage,
+        /// The index of the stop string that ended the choice, if one did.
+        stop_string: Option<usize>,
     },
     /// The choice failed.
     Failed {
@@ -98,6 +108,7 @@ struct Bridged {
 pub struct Run {
     rx: mpsc::Receiver<Bridged>,
     parsers: Vec<OutputParser>,
+    thinkers: Vec<Option<ThinkSplitter>>,
     pending: std::collections::VecDeque<RunEvent>,
     open: usize,
     want_logprobs: bool,
@@ -118,7 +129,22 @@ impl Run {
         metrics: Arc<Metrics>,
         job: &Job,
     ) -> Result<Run, ApiError> {
-        let handles = model.engine.submit_group(job.requests(&model))?;
+        Run::start_with(model, metrics, job, false)
+    }
+
+    /// [`Run::start`], with plain decoding for every choice when `plain` (the request's
+    /// `speculation: false` on a server that speculates).
+    pub fn start_with(
+        model: Arc<ServedModel>,
+        metrics: Arc<Metrics>,
+        job: &Job,
+        plain: bool,
+    ) -> Result<Run, ApiError> {
+        let mut requests = job.requests(&model);
+        for r in &mut requests {
+            r.no_spec |= plain;
+        }
+        let handles = model.engine.submit_group(requests)?;
         let (tx, rx) = mpsc::channel(1024);
         for (choice, handle) in handles.into_iter().enumerate() {
             let tx = tx.clone();
@@ -143,6 +169,9 @@ impl Run {
         Ok(Run {
             rx,
             parsers,
+            thinkers: (0..job.n)
+                .map(|_| job.thinking.map(ThinkSplitter::new))
+                .collect(),
             pending: Default::default(),
             open: job.n,
             want_logprobs: job.logprobs.is_some(),
@@ -212,7 +241,14 @@ impl Run {
                         }],
                     });
                 }
-                let events = parser.feed(&text);
+                let answer = split_thinking(
+                    self.thinkers.get_mut(choice).and_then(Option::as_mut),
+                    &mut self.pending,
+                    choice,
+                    &text,
+                    false,
+                );
+                let events = parser.feed(&answer);
                 push_output(&mut self.pending, choice, events);
             }
             Event::Finished {
@@ -221,7 +257,14 @@ impl Run {
                 usage,
                 timings,
             } => {
-                let mut events = parser.feed(&text);
+                let answer = split_thinking(
+                    self.thinkers.get_mut(choice).and_then(Option::as_mut),
+                    &mut self.pending,
+                    choice,
+                    &text,
+                    true,
+                );
+                let mut events = parser.feed(&answer);
                 events.extend(parser.finish());
                 push_output(&mut self.pending, choice, events);
                 // A reply cut off by a limit reports the limit, even inside a call.
@@ -233,10 +276,15 @@ impl Run {
                 };
                 self.metrics.observe_finished(&usage, &timings);
                 self.open = self.open.saturating_sub(1);
+                let stop_string = match reason {
+                    FinishReason::Stop(StopCause::StopString { index }) => Some(index),
+                    _ => None,
+                };
                 self.pending.push_back(RunEvent::Done {
                     choice,
                     finish_reason,
                     usage,
+                    stop_string,
                 });
             }
             Event::Error(message) => {
@@ -245,6 +293,131 @@ impl Run {
                 self.pending.push_back(RunEvent::Failed { choice, message });
             }
         }
+    }
+}
+
+/// Feeds `text` through the choice's reasoning splitter (if any): reasoning becomes
+/// [`RunEvent::Thinking`] events, the answer part is returned for the output parser.
+fn split_thinking(
+    splitter: Option<&mut ThinkSplitter>,
+    pending: &mut std::collections::VecDeque<RunEvent>,
+    choice: usize,
+    text: &str,
+    last: bool,
+) -> String {
+    let Some(s) = splitter else {
+        return text.to_string();
+    };
+    let (thinking, answer) = s.feed(text, last);
+    if !thinking.is_empty() {
+        pending.push_back(RunEvent::Thinking {
+            choice,
+            text: thinking,
+        });
+    }
+    answer
+}
+
+/// Splits a leading reasoning segment `<think>…</think>` off streamed text. The text after
+/// `</think>` (leading newlines dropped) is the answer. A model that was not put inside
+/// the segment by its prompt may open it itself; if its output does not start with
+/// `<think>`, all of it is answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThinkSplitter {
+    state: ThinkState,
+    buf: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ThinkState {
+    /// Not yet known whether the output opens a segment.
+    Start,
+    /// Inside the segment.
+    Thinking,
+    /// After it: newlines right after `</think>` are still dropped.
+    AnswerStart,
+    /// The answer.
+    Answer,
+}
+
+const THINK_OPEN: &str = "<think>";
+const THINK_CLOSE: &str = "</think>";
+
+impl ThinkSplitter {
+    /// A splitter for an output that starts inside the segment (`opened`: the prompt
+    /// ends with `<think>`) or may open one.
+    pub fn new(opened: bool) -> ThinkSplitter {
+        ThinkSplitter {
+            state: if opened {
+                ThinkState::Thinking
+            } else {
+                ThinkState::Start
+            },
+            buf: String::new(),
+        }
+    }
+
+    /// Feeds a delta; returns `(reasoning, answer)` text that is now certain. `last`
+    /// flushes what was held back (a possible partial marker).
+    pub fn feed(&mut self, text: &str, last: bool) -> (String, String) {
+        let mut thinking = String::new();
+        let mut answer = String::new();
+        self.buf.push_str(text);
+        loop {
+            match self.state {
+                ThinkState::Start => {
+                    let t = self.buf.trim_start();
+                    if let Some(rest) = t.strip_prefix(THINK_OPEN) {
+                        self.buf = rest.to_string();
+                        self.state = ThinkState::Thinking;
+                    } else if THINK_OPEN.starts_with(t) && !last {
+                        break;
+                    } else {
+                        self.state = ThinkState::Answer;
+                    }
+                }
+                ThinkState::Thinking => {
+                    if let Some(pos) = self.buf.find(THINK_CLOSE) {
+                        thinking.push_str(&self.buf[..pos]);
+                        self.buf = self.buf[pos + THINK_CLOSE.len()..].to_string();
+                        self.state = ThinkState::AnswerStart;
+                    } else {
+                        // Hold back a tail that could be the start of `</think>`.
+                        let keep = if last {
+                            0
+                        } else {
+                            (1..THINK_CLOSE.len())
+                                .rev()
+                                .find(|&k| {
+                                    self.buf.len() >= k
+                                        && self.buf.is_char_boundary(self.buf.len() - k)
+                                        && THINK_CLOSE.starts_with(&self.buf[self.buf.len() - k..])
+                                })
+                                .unwrap_or(0)
+                        };
+                        let cut = self.buf.len() - keep;
+                        thinking.push_str(&self.buf[..cut]);
+                        self.buf.drain(..cut);
+                        break;
+                    }
+                }
+                ThinkState::AnswerStart => {
+                    let t = self.buf.trim_start_matches(['\n', '\r']);
+                    if t.is_empty() {
+                        self.buf.clear();
+                        break;
+                    }
+                    self.buf = t.to_string();
+                    self.state = ThinkState::Answer;
+                }
+                ThinkState::Answer => {
+                    answer.push_str(&self.buf);
+                    self.buf.clear();
+                    break;
+                }
+            }
+        }
+        (thinking, answer)
     }
 }
 
@@ -283,6 +456,8 @@ fn push_output(
 /// A whole choice, gathered from a run (for non-streaming responses).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ChoiceResult {
+    /// Reasoning text (jobs with [`Job::thinking`]).
+    pub thinking: String,
     /// Content text.
     pub content: String,
     /// Tool calls: `(name, arguments or input, custom)`.
@@ -293,6 +468,8 @@ pub struct ChoiceResult {
     pub finish_reason: &'static str,
     /// Token counts.
     pub usage: Usage,
+    /// The index of the stop string that ended the choice, if one did.
+    pub stop_string: Option<usize>,
 }
 
 /// Runs to the end and gathers every choice. The first failed choice fails the whole run.
@@ -300,6 +477,11 @@ pub async fn collect(mut run: Run, n: usize) -> Result<Vec<ChoiceResult>, ApiErr
     let mut out = vec![ChoiceResult::default(); n];
     while let Some(e) = run.next().await {
         match e {
+            RunEvent::Thinking { choice, text } => {
+                if let Some(c) = out.get_mut(choice) {
+                    c.thinking.push_str(&text);
+                }
+            }
             RunEvent::Content { choice, text } => {
                 if let Some(c) = out.get_mut(choice) {
                     c.content.push_str(&text);
@@ -334,10 +516,12 @@ pub async fn collect(mut run: Run, n: usize) -> Result<Vec<ChoiceResult>, ApiErr
                 choice,
                 finish_reason,
                 usage,
+                stop_string,
             } => {
                 if let Some(c) = out.get_mut(choice) {
                     c.finish_reason = finish_reason;
                     c.usage = usage;
+                    c.stop_string = stop_string;
                 }
             }
             RunEvent::Failed { message, .. } => {
@@ -346,4 +530,43 @@ pub async fn collect(mut run: Run, n: usize) -> Result<Vec<ChoiceResult>, ApiErr
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `pieces` and gathers `(reasoning, answer)`.
+    fn split(opened: bool, pieces: &[&str]) -> (String, String) {
+        let mut s = ThinkSplitter::new(opened);
+        let (mut t, mut a) = (String::new(), String::new());
+        for (i, p) in pieces.iter().enumerate() {
+            let (x, y) = s.feed(p, i + 1 == pieces.len());
+            t.push_str(&x);
+            a.push_str(&y);
+        }
+        (t, a)
+    }
+
+    #[test]
+    fn reasoning_is_split_at_the_closing_marker_even_across_pieces() {
+        assert_eq!(
+            split(true, &["Let me", " think.</th", "ink>\n\nHello", "!"]),
+            ("Let me think.".into(), "Hello!".into())
+        );
+        assert_eq!(
+            split(false, &["<thi", "nk>\nhm</think>", "\n", "Yes"]),
+            ("\nhm".into(), "Yes".into())
+        );
+        // A model that does not open the segment answers directly.
+        assert_eq!(
+            split(false, &["<b>", "bold</b>"]),
+            (String::new(), "<b>bold</b>".into())
+        );
+        // Cut off while thinking: everything is reasoning, the held-back tail included.
+        assert_eq!(
+            split(true, &["still going </thi"]),
+            ("still going </thi".into(), String::new())
+        );
+    }
 }

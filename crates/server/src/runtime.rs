@@ -21,7 +21,7 @@ pub const DEFAULT_CTX: usize = 4096;
 pub struct ModelOptions {
     /// The name the model is served under (`smollm2-135m`, or a file stem).
     pub name: String,
-    /// Other names accepted in the `model` field.
+    /// Other names listed by `/v1/models` and accepted in the `model` field.
     pub aliases: Vec<String>,
     /// Threads for the forward pass (`None` = one per core).
     pub threads: Option<usize>,
@@ -38,6 +38,9 @@ pub struct ModelOptions {
     /// Speculative decoding for every request (off by default). The output is identical
     /// either way; with it on, each response's `usage` carries the request's counters.
     pub spec: SpecConfig,
+    /// The prefix cache's disk tier (`None` = RAM only); `cached_tokens` in each
+    /// response's usage counts the blocks read back from it too.
+    pub disk_cache: Option<engine::DiskCacheConfig>,
 }
 
 impl ModelOptions {
@@ -54,6 +57,7 @@ impl ModelOptions {
             kv_tokens: None,
             kv_type: model::KvType::default(),
             spec: SpecConfig::default(),
+            disk_cache: None,
         }
     }
 
@@ -107,6 +111,7 @@ pub struct ServedModel {
     pub(crate) token_env: Arc<TokenEnv>,
     name: String,
     aliases: Vec<String>,
+    listed_aliases: Vec<String>,
     fingerprint: String,
     created: u64,
     spec: SpecSetup,
@@ -206,6 +211,7 @@ impl ServedModel {
             queue_capacity: opts.queue_capacity,
             context_len: n_ctx,
             spec: opts.spec.clone(),
+            disk_cache: opts.disk_cache.clone(),
             ..EngineConfig::default()
         };
         let engine = Engine::start(backend, Arc::clone(&tokenizer), cfg)?;
@@ -243,6 +249,7 @@ impl ServedModel {
             token_env,
             name: opts.name.clone(),
             aliases,
+            listed_aliases: opts.aliases.clone(),
             fingerprint,
             created,
             spec: SpecSetup {
@@ -260,6 +267,22 @@ impl ServedModel {
     /// Whether a client's `model` value names this model (the name or an alias).
     pub fn answers_to(&self, requested: &str) -> bool {
         requested == self.name || self.aliases.iter().any(|a| a == requested)
+    }
+
+    /// The aliases given in [`ModelOptions::aliases`] (listed by `/v1/models`; the file
+    /// stem, also accepted, is not listed).
+    pub fn listed_aliases(&self) -> &[String] {
+        &self.listed_aliases
+    }
+
+    /// Whether the chat template has a thinking mode (it reads `enable_thinking`, or it is
+    /// DeepSeek V4's built-in encoding): such a model can answer with a reasoning segment
+    /// `<think>…</think>` first.
+    pub fn thinks(&self) -> bool {
+        self.prompter.as_ref().is_some_and(|p| {
+            let source = p.template().source();
+            source.contains("enable_thinking") || source.starts_with("{# built-in: DeepSeek V4")
+        })
     }
 
     /// `system_fingerprint`: the kernel set and a short model hash.

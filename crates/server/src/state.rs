@@ -14,7 +14,8 @@ use crate::runtime::ServedModel;
 /// Server settings that are not about the model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
-    /// Required bearer key for `/v1/*` (`None` = open).
+    /// Required key for `/v1/*`, as `Authorization: Bearer KEY` or `x-api-key: KEY`
+    /// (`None` = open).
     pub api_key: Option<String>,
     /// Largest request body in bytes (larger: 413).
     pub body_limit: usize,
@@ -24,10 +25,15 @@ pub struct ServerConfig {
     pub response_store_capacity: usize,
     /// How long shutdown waits for in-flight requests before cancelling them.
     pub shutdown_grace: Duration,
+    /// Refuse (HTTP 404) a `model` that is neither the served name nor an alias. Off by
+    /// default: the one served model answers whatever name a client asks for (clients
+    /// such as Claude Code and Codex send their own model names).
+    pub strict_model_name: bool,
 }
 
 impl Default for ServerConfig {
-    /// Open, 8 MiB bodies, keep-alive every 10 s, 256 stored responses, 30 s grace.
+    /// Open, 8 MiB bodies, keep-alive every 10 s, 256 stored responses, 30 s grace, any
+    /// model name answered.
     fn default() -> Self {
         ServerConfig {
             api_key: None,
@@ -35,6 +41,7 @@ impl Default for ServerConfig {
             keep_alive: Duration::from_secs(10),
             response_store_capacity: 256,
             shutdown_grace: Duration::from_secs(30),
+            strict_model_name: false,
         }
     }
 }
@@ -79,10 +86,12 @@ impl AppState {
         format!("{prefix}{mixed:016x}{n:08x}")
     }
 
-    /// Checks the `model` field: absent, the served name or an alias.
+    /// Checks the `model` field: any name is answered by the served model, unless
+    /// [`ServerConfig::strict_model_name`] (then: absent, the served name or an alias).
     pub fn check_model(&self, requested: Option<&str>) -> Result<(), ApiError> {
         match requested {
             None => Ok(()),
+            Some(_) if !self.config.strict_model_name => Ok(()),
             Some(m) if self.model.answers_to(m) => Ok(()),
             Some(m) => Err(ApiError::ModelNotFound {
                 requested: m.to_string(),

@@ -41,7 +41,8 @@ pub fn speculative_stats(usages: &[Usage]) -> Option<SpecStats> {
 /// The `speculative` extension object of `usage` (the same fields as the `spec` object of
 /// `lockstep run --output json`): verify cycles, drafted and accepted draft tokens, the
 /// accept rate, mean accepted drafts per cycle, full / partial / miss cycles, decode steps
-/// without a draft, scheduler skips, grammar-forced drafts and the estimated time saved.
+/// without a draft, scheduler skips, grammar-forced drafts, the estimated time saved and
+/// the cross-request suffix drafter's own cycles, drafted and accepted tokens.
 pub fn speculative_json(s: &SpecStats) -> Value {
     json!({
         "cycles": s.cycles,
@@ -56,6 +57,11 @@ pub fn speculative_json(s: &SpecStats) -> Value {
         "sched_skips": s.sched_skips,
         "forced": s.forced,
         "time_saved_ms": s.time_saved_us as f64 / 1e3,
+        "suffix": {
+            "cycles": s.suffix_cycles,
+            "drafted": s.suffix_drafted,
+            "accepted": s.suffix_accepted,
+        },
     })
 }
 
@@ -111,6 +117,22 @@ pub fn response_usage(usages: &[Usage]) -> Value {
     )
 }
 
+/// `usage` of an Anthropic message: `input_tokens` are the prompt tokens computed for this
+/// request, `cache_read_input_tokens` those served from the prefix cache (Anthropic's
+/// split: the prompt is their sum), nothing is ever written to a cache on request.
+pub fn messages_usage(usages: &[Usage]) -> Value {
+    let t = Totals::of(usages);
+    with_speculative(
+        json!({
+            "input_tokens": t.prompt.saturating_sub(t.cached),
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": t.cached,
+            "output_tokens": t.completion,
+        }),
+        usages,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,6 +167,7 @@ mod tests {
             chat_usage(&[usage(3, Some(a)), usage(5, Some(b))]),
             completion_usage(&[usage(3, Some(a)), usage(5, Some(b))]),
             response_usage(&[usage(3, Some(a)), usage(5, Some(b))]),
+            messages_usage(&[usage(3, Some(a)), usage(5, Some(b))]),
         ] {
             let s = &u["speculative"];
             assert_eq!(s["cycles"], 2, "{u}");

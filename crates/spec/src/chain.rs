@@ -148,4 +148,10 @@ impl Drafter for Chain {
             d.observe(committed);
         }
     }
+
+    fn finish(&mut self, committed: &[u32]) {
+        for d in self.drafters.iter_mut() {
+            d.finish(committed);
+        }
+    }
 }

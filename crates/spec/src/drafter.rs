@@ -19,17 +19,21 @@ pub enum DrafterKind {
     /// The DeepSeek V4 DSpark block drafter (a support file's stage chain over the target's
     /// captured rows).
     Dspark,
+    /// The cross-request suffix index (earlier requests' sequences and the sequence
+    /// itself).
+    Suffix,
 }
 
 impl DrafterKind {
     /// Every kind, in a fixed order (index = [`DrafterKind::index`]).
-    pub const ALL: [DrafterKind; 6] = [
+    pub const ALL: [DrafterKind; 7] = [
         DrafterKind::FastForward,
         DrafterKind::Ngram,
         DrafterKind::DraftModel,
         DrafterKind::Oracle,
         DrafterKind::Adversary,
         DrafterKind::Dspark,
+        DrafterKind::Suffix,
     ];
 
     /// Number of kinds (the length of per-kind tables).
@@ -44,11 +48,12 @@ impl DrafterKind {
             DrafterKind::Oracle => 3,
             DrafterKind::Adversary => 4,
             DrafterKind::Dspark => 5,
+            DrafterKind::Suffix => 6,
         }
     }
 
     /// A short lowercase name (`fast-forward`, `ngram`, `draft-model`, `oracle`,
-    /// `adversary`, `dspark`).
+    /// `adversary`, `dspark`, `suffix`).
     pub fn name(self) -> &'static str {
         match self {
             DrafterKind::FastForward => "fast-forward",
@@ -57,6 +62,7 @@ impl DrafterKind {
             DrafterKind::Oracle => "oracle",
             DrafterKind::Adversary => "adversary",
             DrafterKind::Dspark => "dspark",
+            DrafterKind::Suffix => "suffix",
         }
     }
 
@@ -355,6 +361,12 @@ pub trait Drafter: Send {
     /// The committed tokens after a verify cycle (prompt + output). Drafters with state
     /// keep it in step and roll back whatever was drafted beyond it.
     fn observe(&mut self, committed: &[u32]) {
+        let _ = committed;
+    }
+
+    /// The sequence finished with `committed` (prompt + output): drafters that learn
+    /// across requests (the suffix index) record it.
+    fn finish(&mut self, committed: &[u32]) {
         let _ = committed;
     }
 }

@@ -10,7 +10,9 @@
 //! it, and the first mismatch yields the target's own token. The verifier never changes a
 //! token, so output with speculation on is identical to plain decoding (G2).
 //!
-//! Drafters: [`NgramDrafter`] (prompt lookup), [`FastForward`] (grammar-forced tokens),
+//! Drafters: [`SuffixDrafter`] (the cross-request [`SuffixIndex`] of earlier requests'
+//! sequences, shared by an engine's sequences), [`NgramDrafter`] (prompt lookup),
+//! [`FastForward`] (grammar-forced tokens),
 //! [`DraftModelDrafter`] (a smaller model with the same tokenizer, its own KV, coupled
 //! noise), [`DsparkDrafter`] (DeepSeek V4's DSpark block drafter over the target's captured
 //! rows, [`TargetRows`]), and for tests [`Oracle`] (replays the plain output: 100% acceptance) and
@@ -25,6 +27,7 @@ mod dspark;
 mod ngram;
 mod policy;
 mod stats;
+mod suffix;
 mod testing;
 mod text_cursor;
 
@@ -39,6 +42,7 @@ pub use policy::{
     Acceptance, CostModel, Gate, Plan, PolicyConfig, SeqPolicy, best_k, expected_rate,
 };
 pub use stats::SpecStats;
+pub use suffix::{MAX_SCAN, RECENT, SuffixConfig, SuffixCounters, SuffixDrafter, SuffixIndex};
 pub use testing::{Adversary, Oracle};
 
 use std::sync::Arc;
@@ -65,6 +69,8 @@ pub struct DrafterSet {
     pub draft_model: Option<Arc<DraftModel>>,
     /// The DSpark block drafter (DeepSeek V4 targets whose backend captures its rows).
     pub dspark: Option<Arc<DsparkDraft>>,
+    /// The cross-request suffix index (one per engine), tried first.
+    pub suffix: Option<Arc<SuffixIndex>>,
 }
 
 impl PartialEq for DrafterSet {
@@ -81,6 +87,11 @@ impl PartialEq for DrafterSet {
                 (Some(a), Some(b)) => Arc::ptr_eq(a, b),
                 _ => false,
             }
+            && match (&self.suffix, &other.suffix) {
+                (None, None) => true,
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                _ => false,
+            }
     }
 }
 
@@ -91,6 +102,7 @@ impl DrafterSet {
             && self.ngram.is_none()
             && self.draft_model.is_none()
             && self.dspark.is_none()
+            && self.suffix.is_none()
     }
 
     /// n-gram (keys up to `max_n`) and fast-forward: the free drafters.
@@ -103,11 +115,21 @@ impl DrafterSet {
             }),
             draft_model: None,
             dspark: None,
+            suffix: None,
         }
     }
 
-    /// A chain for one new sequence: fast-forward, then n-gram, then DSpark, then the
-    /// draft model.
+    /// The free drafters with a fresh cross-request index: suffix (`cfg`), n-gram (keys
+    /// up to `max_n`) and fast-forward.
+    pub fn free_with_suffix(max_n: usize, cfg: SuffixConfig) -> DrafterSet {
+        DrafterSet {
+            suffix: Some(Arc::new(SuffixIndex::new(cfg))),
+            ..DrafterSet::free(max_n)
+        }
+    }
+
+    /// A chain for one new sequence: fast-forward, then the suffix index, n-gram, DSpark,
+    /// the draft model.
     pub fn build(&self) -> Chain {
         self.build_with_text(None)
     }
@@ -116,7 +138,16 @@ impl DrafterSet {
     /// follow the prompt in text space (values that tokenize differently in the prompt
     /// and in the output, as in extraction under a grammar).
     pub fn build_with_text(&self, text: Option<&Arc<text::Tokenizer>>) -> Chain {
+        self.build_for(text, 0)
+    }
+
+    /// [`DrafterSet::build_with_text`] for a sequence of suffix-index `partition` (it
+    /// reads and feeds only that partition).
+    pub fn build_for(&self, text: Option<&Arc<text::Tokenizer>>, partition: u64) -> Chain {
         let mut drafters: Vec<Box<dyn Drafter>> = Vec::new();
+        if let Some(ix) = &self.suffix {
+            drafters.push(Box::new(ix.drafter(partition)));
+        }
         if let Some(cfg) = self.ngram {
             drafters.push(Box::new(match text {
                 Some(tok) => NgramDrafter::with_text(cfg, Arc::clone(tok)),

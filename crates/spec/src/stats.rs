@@ -1,5 +1,7 @@
 //! Speculation counters, per request and aggregated.
 
+use crate::drafter::DrafterKind;
+
 /// Speculation counters of one request (in `Usage`) or of the whole engine (in its
 /// metrics). All plain integers, so they add up exactly.
 ///
@@ -40,6 +42,12 @@ pub struct SpecStats {
     pub forced: u64,
     /// Estimated wall time saved against plain decoding, in microseconds (see above).
     pub time_saved_us: i64,
+    /// Cycles whose non-forced drafts came from the cross-request suffix drafter.
+    pub suffix_cycles: u64,
+    /// Non-forced draft tokens of the suffix drafter verified.
+    pub suffix_drafted: u64,
+    /// Of those, accepted.
+    pub suffix_accepted: u64,
 }
 
 impl SpecStats {
@@ -73,6 +81,19 @@ impl SpecStats {
         self.sched_skips += other.sched_skips;
         self.forced += other.forced;
         self.time_saved_us += other.time_saved_us;
+        self.suffix_cycles += other.suffix_cycles;
+        self.suffix_drafted += other.suffix_drafted;
+        self.suffix_accepted += other.suffix_accepted;
+    }
+
+    /// Records the non-forced part of a cycle by `kind`: `accepted` of `drafted` (only the
+    /// suffix drafter has counters of its own).
+    pub fn record_source(&mut self, kind: Option<DrafterKind>, drafted: usize, accepted: usize) {
+        if kind == Some(DrafterKind::Suffix) && drafted > 0 {
+            self.suffix_cycles += 1;
+            self.suffix_drafted += drafted as u64;
+            self.suffix_accepted += accepted as u64;
+        }
     }
 
     /// Records one verify cycle of `drafted` rows (`forced` of them grammar-forced) of

@@ -58,38 +58,33 @@ fn tokenizer(name: &str) -> &'static Tokenizer {
     cell.get_or_init(|| load_timed(name))
 }
 
-fn golden_dir() -> PathBuf {
-    // `shared/` sits beside the checkout (or above it); $LOCKSTEP_SHARED overrides.
-    if let Some(dir) = std::env::var_os("LOCKSTEP_SHARED") {
-        return PathBuf::from(dir).join("golden/tokenizer");
-    }
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let manifest = std::fs::canonicalize(&manifest).unwrap_or(manifest);
-    for base in manifest.ancestors() {
-        let candidate = base.join("shared/golden/tokenizer");
-        if candidate.is_dir() {
-            return candidate;
-        }
-    }
-    panic!(
-        "shared/golden/tokenizer not found above {}",
-        manifest.display()
-    );
+/// This crate's `tests/data/golden` (made by `tools/golden/make.py`).
+const GOLDEN_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/golden");
+
+fn read_json(file: &str) -> serde_json::Value {
+    let path = PathBuf::from(GOLDEN_DIR).join(file);
+    let raw = std::fs::read_to_string(&path).expect("golden file readable");
+    serde_json::from_str(&raw).expect("golden JSON")
 }
 
-/// `(text, reference ids)` pairs of a golden file.
+/// `(text, reference ids)` pairs: the strings of `strings.json` and, in the same order, the
+/// reference tokenization of each in `<reference>.json`.
 fn golden(reference: &str) -> Vec<(String, Vec<u32>)> {
-    let path = golden_dir().join(format!("{reference}.json"));
-    let raw = std::fs::read_to_string(&path).expect("golden file readable");
-    let v: serde_json::Value = serde_json::from_str(&raw).expect("golden JSON");
-    v.as_array()
-        .expect("a list of cases")
+    let strings = read_json("strings.json");
+    let strings = strings.as_array().expect("a list of strings");
+    let tokens = read_json(&format!("{reference}.json"));
+    let tokens = tokens["tokens"]
+        .as_array()
+        .expect("a list of tokenizations");
+    assert_eq!(strings.len(), tokens.len(), "one tokenization per string");
+    strings
         .iter()
-        .map(|case| {
-            let text = case["text"].as_str().expect("text").to_string();
-            let ids = case["tokens"]
+        .zip(tokens)
+        .map(|(text, ids)| {
+            let text = text.as_str().expect("text").to_string();
+            let ids = ids
                 .as_array()
-                .expect("tokens")
+                .expect("ids")
                 .iter()
                 .map(|t| t.as_u64().expect("id") as u32)
                 .collect();

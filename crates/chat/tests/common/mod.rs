@@ -2,25 +2,11 @@
 
 use std::path::PathBuf;
 
-/// The `golden/templates` folder of `shared/`.
+/// This crate's `tests/data/golden`: conversations and their renders by HF transformers
+/// (made by `tools/golden/make.py`).
 #[allow(dead_code)] // not every test file uses every helper
 pub fn golden_dir() -> PathBuf {
-    // `shared/` sits beside the checkout (or above it); $LOCKSTEP_SHARED overrides.
-    if let Some(dir) = std::env::var_os("LOCKSTEP_SHARED") {
-        return PathBuf::from(dir).join("golden/templates");
-    }
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let manifest = std::fs::canonicalize(&manifest).unwrap_or(manifest);
-    for base in manifest.ancestors() {
-        let candidate = base.join("shared/golden/templates");
-        if candidate.is_dir() {
-            return candidate;
-        }
-    }
-    panic!(
-        "shared/golden/templates not found above {}",
-        manifest.display()
-    );
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/golden"))
 }
 
 /// The template and the BOS/EOS token strings of a known model, read from its GGUF.

@@ -53,6 +53,7 @@ pub fn config() -> EngineConfig {
         queue_capacity: 64,
         context_len: 0,
         prefix_cache: true,
+        disk_cache: None,
         spec: Default::default(),
     }
 }

@@ -21,21 +21,10 @@ pub fn load(name: &str, threads: usize, n_ctx: usize) -> Model {
         .with_thread_pool(lockstep_model::ThreadPool::new(threads))
 }
 
-/// The golden reference directory (`shared/golden`, beside or above the checkout;
-/// `$LOCKSTEP_SHARED` overrides).
+/// The golden reference directory, `tests/data/golden` of this crate (made by
+/// `tools/golden/make.py`; its README says how).
 pub fn golden_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("LOCKSTEP_SHARED") {
-        return PathBuf::from(dir).join("golden");
-    }
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let manifest = std::fs::canonicalize(&manifest).unwrap_or(manifest);
-    for base in manifest.ancestors() {
-        let candidate = base.join("shared/golden");
-        if candidate.is_dir() {
-            return candidate;
-        }
-    }
-    panic!("shared/golden not found above {}", manifest.display());
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/golden"))
 }
 
 /// One generated step of a reference: the chosen id and the top-5 `(id, logprob)`.
@@ -47,13 +36,12 @@ pub struct Step {
 /// One reference case.
 pub struct Case {
     pub name: String,
-    pub completion_text: String,
     pub prompt: Vec<u32>,
     pub completion: Vec<u32>,
     pub steps: Vec<Step>,
 }
 
-/// The cases of `golden/<file>.json`.
+/// The cases of `golden/<file>.json`. Every generated token has its step.
 pub fn golden(file: &str) -> Vec<Case> {
     let path = golden_dir().join(format!("{file}.json"));
     let raw = std::fs::read_to_string(&path).expect("golden file readable");
@@ -71,7 +59,6 @@ pub fn golden(file: &str) -> Vec<Case> {
         .iter()
         .map(|c| Case {
             name: c["name"].as_str().expect("name").to_string(),
-            completion_text: c["completion_text"].as_str().expect("text").to_string(),
             prompt: ids(&c["prompt_tokens"]),
             completion: ids(&c["completion_tokens"]),
             steps: c["steps"]
@@ -93,6 +80,10 @@ pub fn golden(file: &str) -> Vec<Case> {
                         .collect(),
                 })
                 .collect(),
+        })
+        .inspect(|c: &Case| {
+            let ids: Vec<u32> = c.steps.iter().map(|s| s.id).collect();
+            assert_eq!(ids, c.completion, "{file}/{}: one step per token", c.name);
         })
         .collect()
 }
@@ -190,128 +181,6 @@ pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-/// The byte sequence of every token (GPT-2 byte-level vocabularies) and which are control
-/// tokens.
-pub struct Vocab {
-    pub bytes: Vec<Vec<u8>>,
-    pub control: Vec<bool>,
-}
-
-/// The GPT-2 byte-to-unicode table, inverted.
-fn byte_decoder() -> std::collections::HashMap<char, u8> {
-    let mut bs: Vec<u32> = (u32::from('!')..=u32::from('~'))
-        .chain(0xA1..=0xAC)
-        .chain(0xAE..=0xFF)
-        .collect();
-    let mut cs = bs.clone();
-    let mut n = 0;
-    for b in 0..256u32 {
-        if !bs.contains(&b) {
-            bs.push(b);
-            cs.push(256 + n);
-            n += 1;
-        }
-    }
-    bs.iter()
-        .zip(&cs)
-        .map(|(&b, &c)| (char::from_u32(c).expect("valid char"), b as u8))
-        .collect()
-}
-
-/// The bytes of a SentencePiece token (`tokenizer.ggml.model = "llama"`, gemma): `▁` is a
-/// space, byte tokens (type 6) are `<0xNN>`.
-fn spm_bytes(token: &str, token_type: i64) -> Vec<u8> {
-    if token_type == 6
-        && let Some(hex) = token.strip_prefix("<0x").and_then(|t| t.strip_suffix('>'))
-        && let Ok(b) = u8::from_str_radix(hex, 16)
-    {
-        return vec![b];
-    }
-    token.replace('\u{2581}', " ").into_bytes()
-}
-
-/// The vocabulary of a model (byte-level BPE, or SentencePiece for gemma).
-pub fn vocab(model: &Model) -> Vocab {
-    let g = model.gguf();
-    let spm = g
-        .get_str("tokenizer.ggml.model")
-        .is_ok_and(|m| m == "llama");
-    let dec = byte_decoder();
-    let tokens = g
-        .get_array("tokenizer.ggml.tokens")
-        .expect("tokens")
-        .as_strings()
-        .expect("string tokens");
-    let types = g
-        .get_array("tokenizer.ggml.token_type")
-        .expect("token types")
-        .to_i64s()
-        .expect("integer types");
-    Vocab {
-        bytes: tokens
-            .iter()
-            .zip(&types)
-            .map(|(t, &ty)| {
-                if spm {
-                    spm_bytes(t, ty)
-                } else {
-                    t.chars()
-                        .map(|c| dec.get(&c).copied().unwrap_or(b'?'))
-                        .collect()
-                }
-            })
-            .collect(),
-        control: types.iter().map(|&t| t == 3).collect(),
-    }
-}
-
-/// The token sequence the reference really generated, and for each of its positions the
-/// reference step it corresponds to.
-///
-/// llama.cpp's server reports one step per piece of complete UTF-8 text: a token that
-/// ends inside a multi-byte character is held back and merged with the next one, and only
-/// that next token (with its own distribution) is reported. Such hidden tokens are
-/// recovered from `completion_text`: the bytes missing between two reported tokens are
-/// one vocabulary token.
-pub fn generated_sequence(case: &Case, vocab: &Vocab) -> (Vec<u32>, Vec<Option<usize>>) {
-    let text = case.completion_text.as_bytes();
-    let mut at = 0;
-    let mut seq = Vec::new();
-    let mut step_of = Vec::new();
-    for (si, &t) in case.completion.iter().enumerate() {
-        let b = &vocab.bytes[t as usize];
-        if !vocab.control[t as usize] {
-            let rest = &text[at.min(text.len())..];
-            let fits = |r: &[u8]| r.starts_with(b) || b.starts_with(r);
-            if !fits(rest) {
-                let k = (1..=rest.len())
-                    .find(|&k| fits(&rest[k..]))
-                    .unwrap_or_else(|| panic!("{}: step {si} does not fit the text", case.name));
-                // The hidden run, split into vocabulary tokens longest-prefix first.
-                let mut missing = &rest[..k];
-                while !missing.is_empty() {
-                    let (hidden, len) = vocab
-                        .bytes
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, v)| !v.is_empty() && missing.starts_with(v))
-                        .map(|(i, v)| (i, v.len()))
-                        .max_by_key(|&(i, len)| (len, std::cmp::Reverse(i)))
-                        .unwrap_or_else(|| panic!("{}: no token for {missing:?}", case.name));
-                    seq.push(hidden as u32);
-                    step_of.push(None);
-                    missing = &missing[len..];
-                }
-                at += k;
-            }
-            at += b.len();
-        }
-        seq.push(t);
-        step_of.push(Some(si));
-    }
-    (seq, step_of)
-}
-
 /// Result of comparing a model with one golden file.
 #[derive(Default, Debug)]
 pub struct Agreement {
@@ -331,53 +200,45 @@ pub struct Agreement {
 /// Teacher-forced comparison of `runner`'s model with the golden `file`: every case in one
 /// forward (logits only for the generated positions).
 pub fn compare_golden(r: &mut Runner, file: &str, tie_margin: f64) -> Agreement {
-    let vocab = vocab(&r.model);
     let mut a = Agreement::default();
     let mut sum = 0.0;
     for case in golden(file) {
-        let (generated, step_of) = generated_sequence(&case, &vocab);
         let p = case.prompt.len();
-        let all: Vec<u32> = case.prompt.iter().chain(&generated).copied().collect();
+        let all: Vec<u32> = case
+            .prompt
+            .iter()
+            .chain(&case.completion)
+            .copied()
+            .collect();
         let mut seq = r.sequence();
         let logits = r.run_chunks(&mut seq, &all[..all.len() - 1], &[usize::MAX], |i| {
             i + 1 >= p
         });
         r.kv.release_sequence(seq);
-        assert_eq!(logits.len(), generated.len());
+        assert_eq!(logits.len(), case.steps.len());
         let mut greedy_open = true;
-        for (j, l) in logits.iter().enumerate() {
-            let ours = argmax(l);
-            if let Some(si) = step_of[j] {
-                let step = &case.steps[si];
-                let ls = log_softmax(l);
-                let err = step
-                    .top
-                    .iter()
-                    .map(|&(id, lp)| (ls[id as usize] - lp).abs())
-                    .fold(0.0, f64::max);
-                a.max_err = a.max_err.max(err);
-                sum += err;
-                a.steps += 1;
-                let gap = step.top[0].1 - step.top[1].1;
-                if gap < tie_margin {
-                    greedy_open = false;
-                }
-                if greedy_open {
-                    a.greedy_checked += 1;
-                    if ours == step.id {
-                        a.greedy_agreed += 1;
-                    } else {
-                        a.disagreements
-                            .push((case.name.clone(), j, ours, step.id, gap));
-                    }
-                }
-            } else if greedy_open {
+        for (j, (l, step)) in logits.iter().zip(&case.steps).enumerate() {
+            let ls = log_softmax(l);
+            let err = step
+                .top
+                .iter()
+                .map(|&(id, lp)| (ls[id as usize] - lp).abs())
+                .fold(0.0, f64::max);
+            a.max_err = a.max_err.max(err);
+            sum += err;
+            a.steps += 1;
+            let gap = step.top[0].1 - step.top[1].1;
+            if gap < tie_margin {
+                greedy_open = false;
+            }
+            if greedy_open {
                 a.greedy_checked += 1;
-                if ours == generated[j] {
+                let ours = argmax(l);
+                if ours == step.id {
                     a.greedy_agreed += 1;
                 } else {
                     a.disagreements
-                        .push((case.name.clone(), j, ours, generated[j], f64::NAN));
+                        .push((case.name.clone(), j, ours, step.id, gap));
                 }
             }
         }

@@ -184,3 +184,34 @@ pub fn assert_error(status: u16, body: &Value, expected: u16) -> Value {
     );
     err.clone()
 }
+
+/// A Python with the official SDK `package` at version `pin`, in a venv under the target
+/// directory (`<package>-venv`), created and installed from PyPI on first use.
+pub fn sdk_python(package: &str, pin: &str) -> std::path::PathBuf {
+    use std::process::Command;
+    let venv =
+        std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{package}-venv"));
+    let python = venv.join("bin").join("python");
+    let ready = python.is_file()
+        && Command::new(&python)
+            .args([
+                "-c",
+                &format!("import {package}, sys; sys.exit({package}.__version__ != '{pin}')"),
+            ])
+            .status()
+            .is_ok_and(|s| s.success());
+    if !ready {
+        let status = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .expect("python3 -m venv runs");
+        assert!(status.success(), "creating the venv failed");
+        let status = Command::new(venv.join("bin").join("pip"))
+            .args(["install", "--quiet", &format!("{package}=={pin}")])
+            .status()
+            .expect("pip runs");
+        assert!(status.success(), "pip install {package}=={pin} failed");
+    }
+    python
+}

@@ -102,6 +102,8 @@ async fn health_and_prometheus_metrics_are_served() {
         "lockstep_decode_tokens_per_second",
         "lockstep_prefix_cache_hit_tokens_total",
         "lockstep_preemptions_total",
+        "lockstep_disk_cache_enabled 0",
+        "lockstep_disk_cache_hit_blocks_total",
     ] {
         assert!(text.contains(name), "missing {name} in\n{text}");
     }

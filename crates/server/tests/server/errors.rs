@@ -77,21 +77,17 @@ async fn malformed_json_and_empty_bodies_are_400() {
 }
 
 #[tokio::test]
-async fn an_unknown_model_is_404_and_the_served_name_is_accepted() {
-    let (s, b) = post(
-        smol(),
-        "/v1/chat/completions",
-        &chat(json!({"model": "gpt-9"})),
-    )
-    .await;
-    assert_eq!(assert_error(s, &b, 404)["code"], "model_not_found");
-    let (s, _) = post(
-        smol(),
-        "/v1/chat/completions",
-        &chat(json!({"model": "smollm2-135m"})),
-    )
-    .await;
-    assert_eq!(s, 200);
+async fn any_model_name_is_answered_by_the_served_model() {
+    for endpoint in ["/v1/chat/completions", "/v1/messages"] {
+        let mut body = chat(json!({"model": "gpt-9"}));
+        body["max_tokens"] = json!(2);
+        let (s, b) = post(smol(), endpoint, &body).await;
+        assert_eq!(s, 200, "{endpoint}: {b}");
+        assert_eq!(
+            b["model"], "smollm2-135m",
+            "the response names the served model"
+        );
+    }
     let models: Value = client()
         .get(smol().url("/v1/models"))
         .send()
@@ -104,11 +100,83 @@ async fn an_unknown_model_is_404_and_the_served_name_is_accepted() {
     assert_eq!(models["data"][0]["id"], "smollm2-135m");
     assert_eq!(models["data"][0]["object"], "model");
     let r = client()
-        .get(smol().url("/v1/models/nope"))
+        .get(smol().url("/v1/models/claude-sonnet-4-5"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["id"], "smollm2-135m");
+}
+
+static STRICT: OnceLock<TestServer> = OnceLock::new();
+
+#[tokio::test]
+async fn a_strict_server_answers_only_its_name_and_aliases_which_models_lists() {
+    let server = STRICT.get_or_init(|| {
+        let mut opts = lockstep_server::ModelOptions::new("smollm2-135m");
+        opts.aliases = vec!["tiny".into(), "claude-haiku-4-5".into()];
+        opts.ctx_size = Some(512);
+        opts.kv_tokens = Some(2048);
+        opts.threads = Some(1);
+        let path = hub::ensure_model("smollm2-135m").unwrap();
+        let model = std::sync::Arc::new(lockstep_server::ServedModel::load(&path, &opts).unwrap());
+        spawn(
+            model,
+            ServerConfig {
+                strict_model_name: true,
+                ..ServerConfig::default()
+            },
+        )
+    });
+    let (s, b) = post(
+        server,
+        "/v1/chat/completions",
+        &chat(json!({"model": "gpt-9"})),
+    )
+    .await;
+    assert_eq!(assert_error(s, &b, 404)["code"], "model_not_found");
+    let (s, b) = post(
+        server,
+        "/v1/messages",
+        &json!({"model": "gpt-9", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(s, 404, "{b}");
+    assert_eq!(b["error"]["type"], "not_found_error", "{b}");
+    for name in ["smollm2-135m", "tiny", "claude-haiku-4-5"] {
+        let mut body = chat(json!({"model": name}));
+        body["max_tokens"] = json!(2);
+        let (s, b) = post(server, "/v1/chat/completions", &body).await;
+        assert_eq!(s, 200, "{name}: {b}");
+        assert_eq!(b["model"], "smollm2-135m");
+    }
+    let models: Value = client()
+        .get(server.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["smollm2-135m", "tiny", "claude-haiku-4-5"]);
+    let r = client()
+        .get(server.url("/v1/models/nope"))
         .send()
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 404);
+    let r = client()
+        .get(server.url("/v1/models/tiny"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap()["id"], "tiny");
 }
 
 #[tokio::test]

@@ -9,30 +9,7 @@ use crate::common::qwen;
 const OPENAI_PIN: &str = "3.57.0";
 
 fn venv_python() -> PathBuf {
-    let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
-    let python = venv.join("bin").join("python");
-    let ready = python.is_file()
-        && Command::new(&python)
-            .args([
-                "-c",
-                &format!("import openai, sys; sys.exit(openai.__version__ != '{OPENAI_PIN}')"),
-            ])
-            .status()
-            .is_ok_and(|s| s.success());
-    if !ready {
-        let status = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-            .expect("python3 -m venv runs");
-        assert!(status.success(), "creating the venv failed");
-        let status = Command::new(venv.join("bin").join("pip"))
-            .args(["install", "--quiet", &format!("openai=={OPENAI_PIN}")])
-            .status()
-            .expect("pip runs");
-        assert!(status.success(), "pip install openai=={OPENAI_PIN} failed");
-    }
-    python
+    crate::common::sdk_python("openai", OPENAI_PIN)
 }
 
 #[test]

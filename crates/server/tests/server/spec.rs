@@ -1,5 +1,5 @@
-//! Speculative decoding behind the HTTP API: smollm2-135m served with n-gram drafting
-//! (`lockstep serve --ngram`) answers every endpoint token for token as the plain server
+//! Speculative decoding behind the HTTP API: smollm2-135m served with the free drafters
+//! (cross-request suffix index, n-gram, grammar fast-forward) answers every endpoint token for token as the plain server
 //! does, each response's `usage.speculative` carries the request's counters (absent on the
 //! plain server), and `/metrics` exposes the engine's counters.
 
@@ -12,7 +12,8 @@ use crate::common::{TestServer, client, load_with, post, post_stream, smol, spaw
 
 static NGRAM: OnceLock<TestServer> = OnceLock::new();
 
-/// smollm2-135m with n-gram (keys up to 3 tokens) + grammar fast-forward drafting. The
+/// smollm2-135m with the suffix index, n-gram (keys up to 3 tokens) and grammar
+/// fast-forward drafting. The
 /// policy drafts whenever the n-gram drafter has a match: the default policy's cost model
 /// and back-off depend on measured step times and on other requests' acceptance, which
 /// would make "drafts were proposed" depend on the machine's load.
@@ -20,7 +21,7 @@ fn ngram() -> &'static TestServer {
     NGRAM.get_or_init(|| {
         let spec = engine::SpecConfig {
             mode: engine::SpecMode::Auto,
-            drafters: spec::DrafterSet::free(3),
+            drafters: spec::DrafterSet::free_with_suffix(3, spec::SuffixConfig::default()),
             policy: spec::PolicyConfig::always(8),
         };
         let model: Arc<_> = load_with("smollm2-135m", 8, 64, spec);
@@ -54,6 +55,16 @@ fn counters(usage: &Value) -> &Value {
         n(k);
     }
     assert!(s["mean_accepted"].as_f64().is_some() && s["time_saved_ms"].as_f64().is_some());
+    let suffix = |k: &str| {
+        s["suffix"][k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("speculative.suffix.{k} is not a count: {s}"))
+    };
+    assert!(
+        suffix("accepted") <= suffix("drafted") && suffix("drafted") <= drafted,
+        "{s}"
+    );
+    assert!(suffix("cycles") <= cycles, "{s}");
     s
 }
 
@@ -253,6 +264,23 @@ async fn metrics_expose_the_speculative_counters() {
             "{metric} below the request's {field}: {used}\n{text}"
         );
     }
+    for (metric, field) in [
+        ("lockstep_spec_suffix_cycles_total", "cycles"),
+        ("lockstep_spec_suffix_drafted_tokens_total", "drafted"),
+        ("lockstep_spec_suffix_accepted_tokens_total", "accepted"),
+    ] {
+        assert!(
+            sample(&text, metric) >= used["suffix"][field].as_u64().unwrap() as f64,
+            "{metric} below the request's suffix {field}: {used}\n{text}"
+        );
+    }
+    // The prompt repeats itself: the suffix drafter proposed from the sequence itself,
+    // and the finished request is in the index.
+    assert!(
+        used["suffix"]["drafted"].as_u64().unwrap() > 0,
+        "suffix drafts: {used}"
+    );
+    assert!(sample(&text, "lockstep_spec_suffix_stored_tokens") > 0.0);
     assert!(sample(&text, "lockstep_spec_drafted_tokens_total") > 0.0);
     let rate = sample(&text, "lockstep_spec_accept_rate");
     assert!((0.0..=1.0).contains(&rate), "{rate}");
@@ -264,4 +292,112 @@ async fn metrics_expose_the_speculative_counters() {
     let plain = metrics(smol()).await;
     assert_eq!(sample(&plain, "lockstep_spec_enabled"), 0.0);
     assert_eq!(sample(&plain, "lockstep_spec_drafted_tokens_total"), 0.0);
+}
+
+#[tokio::test]
+async fn speculation_false_decodes_plainly_with_the_same_output() {
+    let base = json!({
+        "messages": [{"role": "user", "content": REPEAT}],
+        "max_tokens": 40, "temperature": 0.8, "seed": 9,
+    });
+    let (s, spec) = post(ngram(), "/v1/chat/completions", &base).await;
+    assert_eq!(s, 200, "{spec}");
+    drafted(&spec["usage"]);
+    let mut off = base.clone();
+    off["speculation"] = json!(false);
+    let (s, plain) = post(ngram(), "/v1/chat/completions", &off).await;
+    assert_eq!(s, 200, "{plain}");
+    assert_plain_usage(&plain["usage"]);
+    assert_eq!(
+        spec["choices"][0]["message"],
+        plain["choices"][0]["message"]
+    );
+    assert_eq!(spec["seed"], plain["seed"]);
+    // `true` on a speculating server is its default.
+    let mut on = base.clone();
+    on["speculation"] = json!(true);
+    let (s, again) = post(ngram(), "/v1/chat/completions", &on).await;
+    assert_eq!(s, 200, "{again}");
+    drafted(&again["usage"]);
+    assert_eq!(
+        spec["choices"][0]["message"],
+        again["choices"][0]["message"]
+    );
+}
+
+#[tokio::test]
+async fn speculation_true_on_a_plain_server_is_a_400_naming_the_field() {
+    let body = json!({
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "speculation": true,
+    });
+    let (s, err) = post(smol(), "/v1/chat/completions", &body).await;
+    let e = crate::common::assert_error(s, &err, 400);
+    assert_eq!(e["param"], "speculation", "{err}");
+    assert!(
+        e["message"].as_str().unwrap().contains("--ngram"),
+        "the message says how to turn speculation on: {err}"
+    );
+    let (s, _) = post(
+        smol(),
+        "/v1/chat/completions",
+        &json!({
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "speculation": false,
+        }),
+    )
+    .await;
+    assert_eq!(
+        s, 200,
+        "`false` is plain decoding, which the plain server does"
+    );
+}
+
+#[tokio::test]
+async fn health_says_whether_the_server_speculates() {
+    for (server, speculates) in [(smol(), false), (ngram(), true)] {
+        let v: Value = client()
+            .get(server.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["speculation"], json!(speculates), "{v}");
+    }
+}
+
+#[tokio::test]
+async fn messages_with_speculation_equal_plain_and_carry_the_counters() {
+    let body = json!({
+        "model": "claude-sonnet-4-5",
+        "messages": [{"role": "user", "content": REPEAT}],
+        "max_tokens": 40, "temperature": 0,
+    });
+    let (s, plain) = post(smol(), "/v1/messages", &body).await;
+    assert_eq!(s, 200, "{plain}");
+    let (s, spec) = post(ngram(), "/v1/messages", &body).await;
+    assert_eq!(s, 200, "{spec}");
+    assert_eq!(plain["content"], spec["content"]);
+    assert_eq!(plain["stop_reason"], spec["stop_reason"]);
+    assert_eq!(
+        plain["usage"]["output_tokens"],
+        spec["usage"]["output_tokens"]
+    );
+    assert_plain_usage(&plain["usage"]);
+    assert!(drafted(&spec["usage"]) > 0, "{}", spec["usage"]);
+
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let (s, _, events) = post_stream(ngram(), "/v1/messages", &sbody).await;
+    assert_eq!(s, 200);
+    let delta = events
+        .iter()
+        .find(|e| e.event.as_deref() == Some("message_delta"))
+        .expect("a message_delta event")
+        .json();
+    assert_eq!(
+        delta["usage"]["output_tokens"],
+        plain["usage"]["output_tokens"]
+    );
+    assert!(drafted(&delta["usage"]) > 0, "{delta}");
 }
