@@ -595,6 +595,30 @@ impl Device {
             .map_err(|e| drv("host-to-device copy", e))
     }
 
+    /// Copies `host` into `dst` from element `off` on (asynchronous on the stream).
+    pub fn write_at<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        dst: &mut Buf<T>,
+        off: usize,
+    ) -> Result<(), CudaError> {
+        if off + host.len() > dst.len() {
+            return Err(CudaError::Driver(format!(
+                "write of {}..{} into a buffer of {}",
+                off,
+                off + host.len(),
+                dst.len()
+            )));
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.s.slice_mut(off..off + host.len());
+        self.stream
+            .memcpy_htod(host, &mut view)
+            .map_err(|e| drv("host-to-device copy", e))
+    }
+
     /// Copies the first `n` elements of `src` to a new host vector (synchronizes).
     pub fn read<T: DeviceRepr + Default + Clone>(
         &self,

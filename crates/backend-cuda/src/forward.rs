@@ -19,6 +19,8 @@ use quant::{ActLayout, Format, dequantize_row};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+mod kv_io;
+
 /// Threads per attention CTA (`ATT_THREADS` in `kernels.cu`).
 const ATT_THREADS: u32 = 256;
 /// Block sizes the attention kernel takes (`ATT_MAX_CHUNKS`, `MAX_BSZ` in `kernels.cu`).
@@ -1464,6 +1466,27 @@ impl ForwardBackend for CudaBackend {
             }
             self.free_slots.push(slot.0);
         }
+    }
+
+    fn kv_block_format(&self) -> Option<String> {
+        self.kv_layout()
+    }
+
+    fn kv_block_bytes(&self) -> usize {
+        self.kv_bytes_per_block()
+    }
+
+    fn kv_export_block(
+        &self,
+        slot: KvSlot,
+        block: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<(), BackendError> {
+        self.export_kv_block(slot, block, out)
+    }
+
+    fn kv_restore_block(&mut self, slot: KvSlot, data: &[u8]) -> Result<(), BackendError> {
+        self.restore_kv_block(slot, data)
     }
 
     fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError> {

@@ -584,3 +584,58 @@ fn bad_batches_are_errors_not_panics() {
     b.forward(&[row(0, 1), row(1, 2)], &mut logits).unwrap();
     assert_eq!(logits.len(), 2 * b.n_vocab());
 }
+
+#[test]
+fn saved_kv_blocks_restore_to_the_same_logits() {
+    let g = tiny_model("llama", GgmlType::Q4_K, None, "kvio");
+    let mut b = cuda_backend(&g);
+    let bs = b.block_size();
+    let n = 2 * bs + 7;
+    let toks = tokens(n, 31);
+    let base = b.kv_new();
+    let cold = run_chunks(&mut b, base, 0, &toks, 16);
+    let layout = b.kv_block_format().expect("the CUDA backend saves its KV");
+    assert!(layout.starts_with("cuda paged KV v1"), "{layout}");
+    let bytes = b.kv_block_bytes();
+    let mut saved = Vec::new();
+    for blk in 0..2 {
+        let mut out = Vec::new();
+        b.kv_export_block(base, blk, &mut out).unwrap();
+        assert_eq!(out.len(), bytes, "block {blk} bytes");
+        saved.push(out);
+    }
+    assert_ne!(saved[0], saved[1], "two blocks of different tokens differ");
+    // The third block is not complete: an error, not a panic.
+    assert!(b.kv_export_block(base, 2, &mut Vec::new()).is_err());
+    // A fresh backend (as after a restart): restore two blocks, compute the rest.
+    let mut r = cuda_backend(&g);
+    let s = r.kv_new();
+    for blk in &saved {
+        r.kv_restore_block(s, blk).unwrap();
+    }
+    assert_eq!(r.kv_len(s), 2 * bs);
+    let rest = run_chunks(&mut r, s, 2 * bs, &toks[2 * bs..], 3);
+    for (i, l) in rest.iter().enumerate() {
+        assert_bits_eq(
+            &format!("position {} after a restore", 2 * bs + i),
+            l,
+            &cold[2 * bs + i],
+        );
+    }
+    // Bad data changes nothing: a short block, and a restore off a block boundary.
+    let t = r.kv_new();
+    let free = r.free_blocks();
+    assert!(r.kv_restore_block(t, &saved[0][..bytes - 2]).is_err());
+    assert_eq!(
+        (r.kv_len(t), r.free_blocks()),
+        (0, free),
+        "short block left no trace"
+    );
+    assert!(
+        r.kv_restore_block(s, &saved[0]).is_err(),
+        "sequence not at a block boundary"
+    );
+    // The CPU backend's blocks are another layout (f32 or f16 with its own key).
+    let cpu = cpu_backend(&g);
+    assert_ne!(cpu.kv_block_format(), Some(layout));
+}

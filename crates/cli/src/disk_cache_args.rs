@@ -21,7 +21,7 @@ pub struct DiskCacheArgs {
     /// they are computed and read back instead of recomputed, also after a restart
     /// (output is bit-identical either way). Default: kv-cache/MODEL-ID under the
     /// per-user cache ($LOCKSTEP_HOME, else $XDG_CACHE_HOME/lockstep, else
-    /// ~/.cache/lockstep). CPU only: with the CUDA backend it stays off
+    /// ~/.cache/lockstep)
     #[arg(long = "disk-cache", value_name = "DIR")]
     pub dir: Option<PathBuf>,
 
@@ -79,13 +79,11 @@ impl DiskCacheArgs {
     }
 }
 
-/// Why the model in `gguf`, running on `device_name`, cannot use the disk cache, if it
-/// cannot: the CUDA backend cannot save its KV yet, DeepSeek V4 shares no prefixes.
-pub fn unusable(gguf: &gguf::GgufFile, device_name: Option<&str>) -> Option<&'static str> {
+/// Why the model in `gguf` cannot use the disk cache, if it cannot: DeepSeek V4 shares no
+/// prefixes. (Both backends save and restore their KV blocks.)
+pub fn unusable(gguf: &gguf::GgufFile) -> Option<&'static str> {
     if crate::load::is_deepseek4(gguf) {
         Some("DeepSeek V4 sequences share no prompt prefixes, so nothing is cached")
-    } else if device_name.is_some_and(|d| d.starts_with("cuda")) {
-        Some("the CUDA backend's KV cache cannot be saved and restored yet (CPU only)")
     } else {
         None
     }

@@ -145,8 +145,7 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
     } else {
         (None, None)
     };
-    let unusable =
-        disk_cache_args::unusable(&gguf, loaded.as_ref().map(|l| l.device_name.as_str()));
+    let unusable = disk_cache_args::unusable(&gguf);
     opts.disk_cache = args.disk_cache.config(&path, unusable, true)?;
     if args.spec.enabled() {
         let tokenizer = load::load_tokenizer(&gguf)?;

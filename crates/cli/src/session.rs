@@ -116,7 +116,7 @@ impl Session {
             n_ctx,
             n_vocab,
             dspark,
-            device_name,
+            device_name: _,
         } = crate::device::backend(&gguf, args, &name, dspark_path)?;
         let block = backend_cpu::DEFAULT_BLOCK_SIZE;
         let cfg = EngineConfig {
@@ -127,7 +127,7 @@ impl Session {
             context_len: n_ctx,
             disk_cache: match disk {
                 Some(d) => {
-                    let unusable = crate::disk_cache_args::unusable(&gguf, Some(&device_name));
+                    let unusable = crate::disk_cache_args::unusable(&gguf);
                     d.config(&path, unusable, false)?
                 }
                 None => None,

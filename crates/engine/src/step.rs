@@ -200,9 +200,7 @@ fn open_disk(
         return (
             None,
             DiskCacheState::Unavailable(
-                "this backend's KV cache cannot be saved and restored yet (the disk tier \
-                 works with the CPU backend only)"
-                    .into(),
+                "this backend's KV cache cannot be saved and restored".into(),
             ),
         );
     };
