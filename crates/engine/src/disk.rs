@@ -116,7 +116,8 @@ pub struct DiskCacheMetrics {
     pub hit_blocks: u64,
     /// Full prompt blocks found neither in RAM nor on disk when a request was admitted.
     pub miss_blocks: u64,
-    /// Bytes of block files read back.
+    /// Bytes of block files read and checked (blocks read ahead and then not needed
+    /// included; [`Self::restored_bytes`] counts those restored).
     pub bytes_read: u64,
     /// Time the reader threads spent reading and checking block files, µs, summed over
     /// the readers (they read in parallel: [`Self::restore_micros`] is the wall time).

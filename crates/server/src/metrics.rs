@@ -280,7 +280,8 @@ fn render_disk_cache(metric: &mut impl FnMut(&str, &str, &str, String), engine: 
         ),
         (
             "lockstep_disk_cache_read_bytes_total",
-            "Bytes of block files read back.",
+            "Bytes of block files read and checked (blocks read ahead and then not needed \
+             included).",
             d.bytes_read,
         ),
         (
