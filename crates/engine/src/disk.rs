@@ -21,7 +21,7 @@
 //! removes those of another format version, so old files do not sit in the size limit.
 //!
 //! **Reading** runs on a few reader threads: to restore a chain of blocks the engine
-//! hands over the whole chain ([`DiskTier::read_chain`]), the readers read and check the
+//! hands over the whole chain (`DiskTier::read_chain`), the readers read and check the
 //! files up to a bounded number of bytes ahead, and the engine copies each checked block
 //! into the KV pool in chain order while the next ones are being read. The first block
 //! missing or rejected ends the chain (the rest is computed).
