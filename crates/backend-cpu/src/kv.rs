@@ -674,15 +674,25 @@ impl KvCache {
                 group: g,
             })?;
             let r = block as usize * per_block..(block as usize + 1) * per_block;
+            // Keys then values, each element little-endian (whole-slice loops: this runs
+            // on the step thread for every saved block).
             match &self.groups[g].storage[li] {
                 Values::F16 { k, v } => {
-                    for x in k[r.clone()].iter().chain(&v[r]) {
-                        out.extend_from_slice(&x.to_le_bytes());
+                    for half in [&k[r.clone()], &v[r]] {
+                        let at = out.len();
+                        out.resize(at + 2 * half.len(), 0);
+                        for (o, x) in out[at..].chunks_exact_mut(2).zip(half) {
+                            o.copy_from_slice(&x.to_le_bytes());
+                        }
                     }
                 }
                 Values::F32 { k, v } => {
-                    for x in k[r.clone()].iter().chain(&v[r]) {
-                        out.extend_from_slice(&x.to_le_bytes());
+                    for half in [&k[r.clone()], &v[r]] {
+                        let at = out.len();
+                        out.resize(at + 4 * half.len(), 0);
+                        for (o, x) in out[at..].chunks_exact_mut(4).zip(half) {
+                            o.copy_from_slice(&x.to_le_bytes());
+                        }
                     }
                 }
             }
@@ -723,21 +733,21 @@ impl KvCache {
                 continue;
             };
             let r = block as usize * per_block..(block as usize + 1) * per_block;
+            // Keys then values (the layout of `export_block`), whole-slice loops.
+            let (kb, vb) = chunk.split_at(chunk.len() / 2);
             match &mut self.groups[g].storage[li] {
                 Values::F16 { k, v } => {
-                    let mut src = chunk
-                        .chunks_exact(2)
-                        .map(|c| u16::from_le_bytes([c[0], c[1]]));
-                    for (dst, x) in k[r.clone()].iter_mut().chain(&mut v[r]).zip(&mut src) {
-                        *dst = x;
+                    for (dst, src) in [(&mut k[r.clone()], kb), (&mut v[r], vb)] {
+                        for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                            *d = u16::from_le_bytes([c[0], c[1]]);
+                        }
                     }
                 }
                 Values::F32 { k, v } => {
-                    let mut src = chunk
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
-                    for (dst, x) in k[r.clone()].iter_mut().chain(&mut v[r]).zip(&mut src) {
-                        *dst = x;
+                    for (dst, src) in [(&mut k[r.clone()], kb), (&mut v[r], vb)] {
+                        for (d, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                            *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                        }
                     }
                 }
             }

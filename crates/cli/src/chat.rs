@@ -2,7 +2,9 @@
 //!
 //! Each line read is a user message; the whole history is re-rendered through the chat
 //! template every turn (the engine's prefix cache reuses the KV of the unchanged start), and
-//! the reply is streamed. `/reset` clears the history, `/exit` or end of input (Ctrl-D)
+//! the reply is streamed; with the prompt cache on disk (`--disk-cache`, on by default as
+//! for `run`) a conversation's start is also read back in a later process. `/reset` clears
+//! the history, `/exit` or end of input (Ctrl-D)
 //! ends. When stdin is not a terminal no prompts or banners are printed, so the command
 //! can be scripted and tested.
 
@@ -22,6 +24,8 @@ pub struct ChatArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     stop: StopArgs,
+    #[command(flatten)]
+    disk_cache: crate::disk_cache_args::DiskCacheArgs,
 
     /// A system message at the start of the conversation (kept by /reset)
     #[arg(long, value_name = "TEXT")]
@@ -67,7 +71,7 @@ const HELP: &str = "commands: /reset clears the conversation, /exit (or Ctrl-D) 
 
 /// Runs `lockstep chat`, reading lines from `input`.
 pub fn run(args: &ChatArgs, input: &mut dyn BufRead, out: &mut dyn Write) -> anyhow::Result<()> {
-    let session = Session::open(&args.model, true)?;
+    let session = Session::open_with(&args.model, true, None, Some(&args.disk_cache))?;
     let interactive = std::io::stdin().is_terminal() && std::io::stdout().is_terminal();
     let seed = args.sampling.seed_or_random();
     let system: Vec<chat::Message> = args

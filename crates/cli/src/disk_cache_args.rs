@@ -1,4 +1,5 @@
-//! `--disk-cache DIR`, `--disk-cache-gib N`, `--no-disk-cache` (for `run` and `serve`):
+//! `--disk-cache DIR`, `--disk-cache-gib N`, `--no-disk-cache` (for `run`, `chat` and
+//! `serve`):
 //! the prefix cache's disk tier, and the model identity its blocks are keyed by (the
 //! SHA-256 of the model file, computed once per file and remembered under the per-user
 //! cache by path, size and modification time).

@@ -1,6 +1,7 @@
 //! `lockstep run --disk-cache DIR`: a second process reads the first one's prompt blocks
 //! back from disk (`cached_tokens`) and generates exactly the same tokens and logprobs;
-//! without the flag the per-user cache is used; `--no-disk-cache` reads nothing.
+//! without the flag the per-user cache is used; `--no-disk-cache` reads nothing; `lockstep
+//! chat` takes the same flags.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -95,6 +96,56 @@ fn the_default_directory_is_used_unless_no_disk_cache_says_otherwise() -> TestRe
     let off = run(&["--no-disk-cache"])?;
     assert_eq!(off["cached_tokens"], 0, "{off}");
     assert_eq!(off["tokens"], again["tokens"]);
+    Ok(())
+}
+
+/// `lockstep chat --verbose` on smollm2-135m with one long user turn and `extra` flags:
+/// (stdout, the number of cached prompt tokens of the turn).
+fn chat(extra: &[&str]) -> Result<(String, usize), Box<dyn std::error::Error>> {
+    use std::io::Write;
+    hub::ensure_model("smollm2-135m")?;
+    let mut args = vec!["chat", "-n", "8", "--device", "cpu", "--verbose"];
+    args.extend_from_slice(extra);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(&args)
+        .env("LOCKSTEP_HOME", hub::cache_root()?)
+        .env_remove("RUST_LOG")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let mut stdin = child.stdin.take().ok_or("stdin")?;
+    stdin.write_all(format!("{}\n", prompt()).as_bytes())?;
+    drop(stdin);
+    let out = child.wait_with_output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("prompt "))
+        .ok_or_else(|| format!("no summary line: {stderr}"))?;
+    let cached = match line.split_once(" tokens (") {
+        Some((_, rest)) => rest.split_whitespace().next().ok_or("count")?.parse()?,
+        None => 0,
+    };
+    Ok((String::from_utf8_lossy(&out.stdout).into_owned(), cached))
+}
+
+#[test]
+fn chat_reads_a_conversation_start_back_from_disk_in_a_later_process() -> TestResult {
+    let dir = TempDir::new("chat");
+    let d = dir.0.to_str().ok_or("path")?;
+    let (first, cached) = chat(&["--disk-cache", d])?;
+    assert_eq!(cached, 0, "nothing on disk yet");
+    assert!(block_files(&dir.0) >= 2, "the turn's blocks were saved");
+    let (second, cached) = chat(&["--disk-cache", d])?;
+    assert!(
+        cached >= 64,
+        "the second process read the start back: {cached}"
+    );
+    assert_eq!(second, first, "the same reply");
+    let (off, cached) = chat(&["--no-disk-cache"])?;
+    assert_eq!((off, cached), (first, 0));
     Ok(())
 }
 

@@ -8,13 +8,23 @@
 //! (element type, shapes, windows), so a block is only ever found by the same model with
 //! the same numerics and layout; anything else never matches.
 //!
-//! **File format** (little-endian): magic `LSKVBLK\0`, format version (u32), namespace
-//! (32 bytes), chained hash (32), parent flag (u8) and parent hash (32, zero without a
-//! parent), token count (u32) and the tokens (u32 each), payload length (u64) and the
-//! payload (the backend's exported block), then the SHA-256 of everything before it.
-//! A file is accepted only if every field matches what the reader expects, tokens
-//! included; otherwise (truncated, corrupt, another model's, another version's) it is
-//! removed and the block is computed as if it had never been saved.
+//! **File format** (little-endian, version 2): magic `LSKVBLK\0`, format version (u32),
+//! namespace (32 bytes), chained hash (32), parent flag (u8) and parent hash (32, zero
+//! without a parent), token count (u32) and the tokens (u32 each), payload length (u64)
+//! and the payload (the backend's exported block), then the CRC-32 (u32) of everything
+//! before it. The checksum guards against damage (a torn or bit-rotted file), not against
+//! a forger: the name and the header fields already tie the file to its block. A file is
+//! accepted only if every field matches what the reader expects, tokens included;
+//! otherwise (truncated, corrupt, another model's, another format version's — version 1
+//! files ended in a SHA-256 instead) it is removed and the block is computed as if it had
+//! never been saved. At start the writer thread also reads the header of every file and
+//! removes those of another format version, so old files do not sit in the size limit.
+//!
+//! **Reading** runs on a few reader threads: to restore a chain of blocks the engine
+//! hands over the whole chain (`DiskTier::read_chain`), the readers read and check the
+//! files up to a bounded number of bytes ahead, and the engine copies each checked block
+//! into the KV pool in chain order while the next ones are being read. The first block
+//! missing or rejected ends the chain (the rest is computed).
 //!
 //! **Writing** happens on one writer thread behind a bounded queue: the step thread copies
 //! the block out of the KV cache and hands it over; when the queue is full the write is
@@ -32,12 +42,12 @@
 
 use crate::prefix::BlockHash;
 use sha2::{Digest, Sha256};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs;
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::{Receiver, Sender, SyncSender, TrySendError, channel, sync_channel};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -48,7 +58,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 pub const KV_NUMERICS_VERSION: u32 = 1;
 
 const MAGIC: &[u8; 8] = b"LSKVBLK\0";
-const FILE_VERSION: u32 = 1;
+const FILE_VERSION: u32 = 2;
 const EXT: &str = "kvb";
 const TMP_PREFIX: &str = ".tmp-";
 /// A temporary file this old is a crashed writer's leftover (a live writer renames within
@@ -57,7 +67,11 @@ const STALE_TMP: Duration = Duration::from_secs(3600);
 /// Bytes of block payloads the writer queue holds at most.
 const QUEUE_BYTES: usize = 256 << 20;
 /// Fixed bytes of a file besides the tokens and the payload.
-const FIXED: usize = 8 + 4 + 32 + 32 + 1 + 32 + 4 + 8 + 32;
+const FIXED: usize = 8 + 4 + 32 + 32 + 1 + 32 + 4 + 8 + 4;
+/// Reader threads (they mostly wait on the disk; several keep a fast device busy).
+const READERS: usize = 4;
+/// Bytes of block files read ahead of the engine's copy into the KV pool, at most.
+const READ_AHEAD_BYTES: usize = 32 << 20;
 
 /// Where the disk tier lives, how large it may grow, and which model it belongs to.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,11 +116,20 @@ pub struct DiskCacheMetrics {
     pub hit_blocks: u64,
     /// Full prompt blocks found neither in RAM nor on disk when a request was admitted.
     pub miss_blocks: u64,
-    /// Bytes of block files read back.
+    /// Bytes of block files read and checked (blocks read ahead and then not needed
+    /// included; [`Self::restored_bytes`] counts those restored).
     pub bytes_read: u64,
-    /// Time spent reading and checking block files, µs (`bytes_read` over it is the read
-    /// rate).
+    /// Time the reader threads spent reading and checking block files, µs, summed over
+    /// the readers (they read in parallel: [`Self::restore_micros`] is the wall time).
     pub read_micros: u64,
+    /// Chains of blocks restored (one per waiting request that found blocks on disk).
+    pub restores: u64,
+    /// Bytes of the block files restored into the KV pool.
+    pub restored_bytes: u64,
+    /// Wall time of those restores, µs: reading, checking and copying into the KV pool,
+    /// from the first block asked for to the last one copied (`restored_bytes` over it
+    /// is the restore rate).
+    pub restore_micros: u64,
     /// Bytes of block files written.
     pub bytes_written: u64,
     /// Block files written.
@@ -133,6 +156,9 @@ struct Counters {
     miss_blocks: AtomicU64,
     bytes_read: AtomicU64,
     read_micros: AtomicU64,
+    restores: AtomicU64,
+    restored_bytes: AtomicU64,
+    restore_micros: AtomicU64,
     bytes_written: AtomicU64,
     blocks_written: AtomicU64,
     evictions: AtomicU64,
@@ -241,6 +267,9 @@ impl DiskShared {
             miss_blocks: l(&c.miss_blocks),
             bytes_read: l(&c.bytes_read),
             read_micros: l(&c.read_micros),
+            restores: l(&c.restores),
+            restored_bytes: l(&c.restored_bytes),
+            restore_micros: l(&c.restore_micros),
             bytes_written: l(&c.bytes_written),
             blocks_written: l(&c.blocks_written),
             evictions: l(&c.evictions),
@@ -307,8 +336,8 @@ impl DiskShared {
         }
         out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
         out.extend_from_slice(payload);
-        let sum: [u8; 32] = Sha256::digest(&out).into();
-        out.extend_from_slice(&sum);
+        let sum = crc32fast::hash(&out);
+        out.extend_from_slice(&sum.to_le_bytes());
         out
     }
 
@@ -324,7 +353,7 @@ impl DiskShared {
         if bytes.len() < want_len {
             return Err("truncated");
         }
-        let (body, sum) = bytes.split_at(bytes.len() - 32);
+        let (body, sum) = bytes.split_at(bytes.len() - 4);
         let mut at = 0usize;
         let mut take = |n: usize| {
             let s = body.get(at..at + n);
@@ -359,8 +388,7 @@ impl DiskShared {
         if n != (body.len() - start) as u64 {
             return Err("truncated or padded");
         }
-        let got: [u8; 32] = Sha256::digest(body).into();
-        if got.as_slice() != sum {
+        if crc32fast::hash(body).to_le_bytes() != sum {
             return Err("checksum mismatch");
         }
         let same_tokens = toks
@@ -412,6 +440,170 @@ impl DiskShared {
     }
 }
 
+impl DiskShared {
+    /// Reads and checks one block file; `None` when it is missing or was rejected (and
+    /// removed). A hit refreshes its recency.
+    fn read(
+        &self,
+        hash: &BlockHash,
+        parent: Option<&BlockHash>,
+        tokens: &[u32],
+    ) -> Option<ReadBlock> {
+        let t0 = std::time::Instant::now();
+        let key = self.key(hash);
+        let path = self.path(&key);
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) => {
+                lock(&self.index).remove(&key);
+                if e.kind() != io::ErrorKind::NotFound {
+                    tracing::debug!("disk cache: reading {}: {e}", path.display());
+                }
+                return None;
+            }
+        };
+        match self.decode(&bytes, hash, parent, tokens) {
+            Ok(payload) => {
+                self.counters
+                    .bytes_read
+                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                self.counters
+                    .read_micros
+                    .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+                {
+                    let mut ix = lock(&self.index);
+                    let last_used = ix.stamp();
+                    ix.insert(
+                        key,
+                        Meta {
+                            size: bytes.len() as u64,
+                            last_used,
+                        },
+                    );
+                }
+                // The recency a later start (or another process) sees.
+                if let Ok(f) = fs::OpenOptions::new().write(true).open(&path) {
+                    let _ = f.set_modified(SystemTime::now());
+                }
+                Some(ReadBlock { bytes, payload })
+            }
+            Err(why) => {
+                self.reject(&key, why);
+                None
+            }
+        }
+    }
+
+    /// Removes the files among `keys` whose header is not this format version's (files
+    /// of an older lockstep, or not block files at all).
+    fn sweep_other_formats(&self, keys: &[[u8; 32]]) {
+        let mut want = [0u8; 12];
+        want[..8].copy_from_slice(MAGIC);
+        want[8..].copy_from_slice(&FILE_VERSION.to_le_bytes());
+        for key in keys {
+            let mut head = [0u8; 12];
+            let read = fs::File::open(self.path(key)).and_then(|mut f| f.read_exact(&mut head));
+            match read {
+                Ok(()) if head == want => {}
+                Ok(()) => self.reject(key, "another file format version, or not a block file"),
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => self.reject(key, "truncated"),
+                // Gone (evicted, or removed by another process) or unreadable now: a
+                // read will decide.
+                Err(_) => {}
+            }
+        }
+    }
+}
+
+/// One block of a chain to restore: its hash, its parent's, and the tokens it must hold.
+pub(crate) struct ChainBlock {
+    /// The block's chained hash.
+    pub(crate) hash: BlockHash,
+    /// The previous block's chained hash (`None` for the first block of a sequence).
+    pub(crate) parent: Option<BlockHash>,
+    /// The block's tokens.
+    pub(crate) tokens: Vec<u32>,
+}
+
+/// One block for a reader thread.
+struct ReadJob {
+    block: ChainBlock,
+    /// Set when the engine no longer wants the chain (skip the read).
+    cancel: Arc<AtomicBool>,
+    done: SyncSender<Option<ReadBlock>>,
+}
+
+/// A chain being read ahead by the reader threads ([`DiskTier::read_chain`]).
+pub(crate) struct ChainRead<'a> {
+    tier: &'a DiskTier,
+    /// Blocks not yet handed to a reader.
+    todo: VecDeque<ChainBlock>,
+    /// Blocks handed to the readers, in chain order.
+    pending: VecDeque<Receiver<Option<ReadBlock>>>,
+    cancel: Arc<AtomicBool>,
+    /// Blocks read ahead at most.
+    ahead: usize,
+}
+
+impl ChainRead<'_> {
+    /// The next block of the chain, checked; `None` at the end of the chain or at the
+    /// first block missing or rejected (the chain ends there).
+    pub(crate) fn next(&mut self) -> Option<ReadBlock> {
+        while self.pending.len() < self.ahead {
+            let Some(block) = self.todo.pop_front() else {
+                break;
+            };
+            let (done, rx) = sync_channel(1);
+            let job = ReadJob {
+                block,
+                cancel: Arc::clone(&self.cancel),
+                done,
+            };
+            let unsent = match &self.tier.read_tx {
+                Some(tx) => tx.send(job).err().map(|e| e.0),
+                None => Some(job),
+            };
+            if let Some(job) = unsent {
+                // No reader thread (none could be started): read here.
+                let b = &job.block;
+                let got = self.tier.shared.read(&b.hash, b.parent.as_ref(), &b.tokens);
+                let _ = job.done.send(got);
+            }
+            self.pending.push_back(rx);
+        }
+        let got = self.pending.pop_front()?.recv().ok().flatten();
+        if got.is_none() {
+            self.todo.clear();
+            self.pending.clear();
+            self.cancel.store(true, Ordering::Relaxed);
+        }
+        got
+    }
+}
+
+impl Drop for ChainRead<'_> {
+    /// Blocks read ahead and not taken are dropped; those not yet started are skipped.
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+fn reader_loop(shared: &DiskShared, rx: &Mutex<Receiver<ReadJob>>) {
+    loop {
+        let job = match rx.lock() {
+            Ok(rx) => rx.recv(),
+            Err(e) => e.into_inner().recv(),
+        };
+        let Ok(job) = job else { return };
+        if job.cancel.load(Ordering::Relaxed) {
+            continue;
+        }
+        let b = &job.block;
+        let got = shared.read(&b.hash, b.parent.as_ref(), &b.tokens);
+        let _ = job.done.send(got);
+    }
+}
+
 /// One block to save.
 struct WriteJob {
     hash: BlockHash,
@@ -438,13 +630,22 @@ impl ReadBlock {
     pub(crate) fn payload(&self) -> &[u8] {
         &self.bytes[self.payload.clone()]
     }
+
+    /// Bytes of the whole file.
+    pub(crate) fn file_bytes(&self) -> u64 {
+        self.bytes.len() as u64
+    }
 }
 
-/// The disk tier: the shared index and counters, and the writer thread.
+/// The disk tier: the shared index and counters, the writer thread and the readers.
 pub(crate) struct DiskTier {
     shared: Arc<DiskShared>,
     tx: Option<SyncSender<Job>>,
     writer: Option<JoinHandle<()>>,
+    read_tx: Option<Sender<ReadJob>>,
+    readers: Vec<JoinHandle<()>>,
+    /// Bytes of one block's payload.
+    block_bytes: usize,
 }
 
 impl std::fmt::Debug for DiskTier {
@@ -511,15 +712,38 @@ impl DiskTier {
             writing: AtomicBool::new(true),
         });
         shared.evict_to_limit();
+        let keys: Vec<[u8; 32]> = lock(&shared.index).files.keys().copied().collect();
         let (tx, rx) = sync_channel((QUEUE_BYTES / block_bytes.max(1)).clamp(4, 4096));
         let worker = Arc::clone(&shared);
         let writer = std::thread::Builder::new()
             .name("lockstep-kv-disk".into())
-            .spawn(move || writer_loop(&worker, rx))?;
+            .spawn(move || {
+                worker.sweep_other_formats(&keys);
+                writer_loop(&worker, rx);
+            })?;
+        let (read_tx, read_rx) = channel();
+        let read_rx = Arc::new(Mutex::new(read_rx));
+        let mut readers = Vec::new();
+        for i in 0..READERS {
+            let (sh, rx) = (Arc::clone(&shared), Arc::clone(&read_rx));
+            match std::thread::Builder::new()
+                .name(format!("lockstep-kv-read-{i}"))
+                .spawn(move || reader_loop(&sh, &rx))
+            {
+                Ok(h) => readers.push(h),
+                Err(e) => {
+                    tracing::debug!("disk cache: starting a reader thread: {e}");
+                    break;
+                }
+            }
+        }
         Ok(DiskTier {
             shared,
             tx: Some(tx),
             writer: Some(writer),
+            read_tx: (!readers.is_empty()).then_some(read_tx),
+            readers,
+            block_bytes,
         })
     }
 
@@ -554,58 +778,49 @@ impl DiskTier {
         }
     }
 
-    /// Reads and checks the block `hash` (which must hold `tokens` after `parent`); `None`
-    /// when it is missing or was rejected (and removed). A hit refreshes its recency.
+    /// Reads and checks the block `hash` (which must hold `tokens` after `parent`) on the
+    /// calling thread; `None` when it is missing or was rejected (and removed).
+    #[cfg(test)]
     pub(crate) fn read(
         &self,
         hash: &BlockHash,
         parent: Option<&BlockHash>,
         tokens: &[u32],
     ) -> Option<ReadBlock> {
-        let sh = &self.shared;
-        let t0 = std::time::Instant::now();
-        let key = sh.key(hash);
-        let path = sh.path(&key);
-        let bytes = match fs::read(&path) {
-            Ok(b) => b,
-            Err(e) => {
-                lock(&sh.index).remove(&key);
-                if e.kind() != io::ErrorKind::NotFound {
-                    tracing::debug!("disk cache: reading {}: {e}", path.display());
-                }
-                return None;
-            }
-        };
-        match sh.decode(&bytes, hash, parent, tokens) {
-            Ok(payload) => {
-                sh.counters
-                    .bytes_read
-                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                sh.counters
-                    .read_micros
-                    .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-                {
-                    let mut ix = lock(&sh.index);
-                    let last_used = ix.stamp();
-                    ix.insert(
-                        key,
-                        Meta {
-                            size: bytes.len() as u64,
-                            last_used,
-                        },
-                    );
-                }
-                // The recency a later start (or another process) sees.
-                if let Ok(f) = fs::OpenOptions::new().write(true).open(&path) {
-                    let _ = f.set_modified(SystemTime::now());
-                }
-                Some(ReadBlock { bytes, payload })
-            }
-            Err(why) => {
-                sh.reject(&key, why);
-                None
-            }
+        self.shared.read(hash, parent, tokens)
+    }
+
+    /// Starts reading the chain `blocks` (each the child of the one before) on the reader
+    /// threads; [`ChainRead::next`] hands the checked blocks back in order.
+    pub(crate) fn read_chain(&self, blocks: Vec<ChainBlock>) -> ChainRead<'_> {
+        ChainRead {
+            tier: self,
+            todo: blocks.into(),
+            pending: VecDeque::new(),
+            cancel: Arc::new(AtomicBool::new(false)),
+            ahead: (READ_AHEAD_BYTES / self.block_bytes.max(1)).clamp(2, 64),
         }
+    }
+
+    /// Counts one restored chain: `bytes` of block files copied into the KV pool in
+    /// `took`, and says so in the log.
+    pub(crate) fn count_restore(&self, blocks: u64, bytes: u64, took: Duration) {
+        let c = &self.shared.counters;
+        c.restores.fetch_add(1, Ordering::Relaxed);
+        c.restored_bytes.fetch_add(bytes, Ordering::Relaxed);
+        c.restore_micros
+            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+        let secs = took.as_secs_f64();
+        tracing::info!(
+            "disk cache: restored {blocks} blocks ({:.1} MB) in {:.3} s ({:.2} GB/s)",
+            bytes as f64 / 1e6,
+            secs,
+            if secs > 0.0 {
+                bytes as f64 / secs / 1e9
+            } else {
+                0.0
+            }
+        );
     }
 
     /// Removes the file of `hash` (its payload did not fit the backend).
@@ -668,11 +883,15 @@ impl DiskTier {
 }
 
 impl Drop for DiskTier {
-    /// Finishes the queued writes, then stops the writer.
+    /// Finishes the queued writes, then stops the writer and the readers.
     fn drop(&mut self) {
         self.tx = None;
         if let Some(w) = self.writer.take() {
             let _ = w.join();
+        }
+        self.read_tx = None;
+        for r in self.readers.drain(..) {
+            let _ = r.join();
         }
     }
 }
@@ -858,6 +1077,101 @@ mod tests {
         assert!(!stray.exists());
         assert_eq!(read(&tier, &bs[0]), None);
         assert!(files(&dir.0).is_empty(), "{:?}", files(&dir.0));
+    }
+
+    #[test]
+    fn files_of_another_format_version_are_removed_at_start_and_at_read() {
+        let dir = TempDir::new("version");
+        let bs = blocks(6, 3);
+        let tier = DiskTier::open(&cfg(&dir.0, 1 << 30, 1), "layout", PAYLOAD).unwrap();
+        save(&tier, &bs);
+        let path = |b: &Block| tier.shared.path(&tier.shared.key(&b.0));
+        // Block 0 as an older lockstep wrote it: version 1, the same name.
+        let mut old = fs::read(path(&bs[0])).unwrap();
+        old[8..12].copy_from_slice(&1u32.to_le_bytes());
+        fs::write(path(&bs[0]), &old).unwrap();
+        // Read now (no sweep since): refused and removed.
+        assert_eq!(read(&tier, &bs[0]), None);
+        assert!(!path(&bs[0]).exists());
+        // Written again as version 1, plus a file under a block's name that is no block
+        // file: the next start removes both without being asked for them.
+        fs::write(path(&bs[0]), &old).unwrap();
+        fs::write(path(&bs[1]), b"some other program's file").unwrap();
+        let (p0, p1, p2) = (path(&bs[0]), path(&bs[1]), path(&bs[2]));
+        drop(tier);
+        let tier = DiskTier::open(&cfg(&dir.0, 1 << 30, 1), "layout", PAYLOAD).unwrap();
+        tier.flush();
+        assert!(!p0.exists() && !p1.exists(), "{:?}", files(&dir.0));
+        assert!(p2.exists(), "a current file stays");
+        let m = tier.shared().metrics();
+        assert_eq!((m.rejected_files, m.files), (2, 1), "{m:?}");
+        assert_eq!(read(&tier, &bs[2]).as_deref(), Some(bs[2].3.as_slice()));
+    }
+
+    fn chain(bs: &[Block]) -> Vec<ChainBlock> {
+        bs.iter()
+            .map(|b| ChainBlock {
+                hash: b.0,
+                parent: b.1,
+                tokens: b.2.clone(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_chain_is_read_ahead_in_order_and_ends_at_the_first_bad_block() {
+        let dir = TempDir::new("chain");
+        let bs = blocks(7, 40);
+        let tier = DiskTier::open(&cfg(&dir.0, 1 << 30, 1), "layout", PAYLOAD).unwrap();
+        save(&tier, &bs);
+        // Whole: every block, in chain order, exactly.
+        let mut reads = tier.read_chain(chain(&bs));
+        for (i, b) in bs.iter().enumerate() {
+            let got = reads.next().unwrap_or_else(|| panic!("block {i}"));
+            assert_eq!(got.payload(), b.3.as_slice(), "block {i}");
+            assert_eq!(
+                got.file_bytes(),
+                fs::metadata(tier.shared.path(&tier.shared.key(&b.0)))
+                    .unwrap()
+                    .len()
+            );
+        }
+        assert!(reads.next().is_none(), "the end of the chain");
+        drop(reads);
+        // Block 25 corrupt: blocks 0..25, then the end (nothing after it is handed out).
+        let p25 = tier.shared.path(&tier.shared.key(&bs[25].0));
+        let mut bytes = fs::read(&p25).unwrap();
+        let at = bytes.len() - 10;
+        bytes[at] ^= 0x10;
+        fs::write(&p25, &bytes).unwrap();
+        let mut reads = tier.read_chain(chain(&bs));
+        for (i, b) in bs[..25].iter().enumerate() {
+            assert_eq!(
+                reads.next().map(|r| r.payload().to_vec()).as_deref(),
+                Some(b.3.as_slice()),
+                "block {i}"
+            );
+        }
+        assert!(
+            reads.next().is_none(),
+            "the chain ends at the corrupt block"
+        );
+        assert!(reads.next().is_none(), "and stays ended");
+        drop(reads);
+        assert!(!p25.exists(), "the corrupt block was removed");
+        assert_eq!(tier.shared().metrics().rejected_files, 1);
+        // Dropped half way: the readers go on serving later chains.
+        let mut reads = tier.read_chain(chain(&bs[..20]));
+        assert!(reads.next().is_some());
+        drop(reads);
+        let mut reads = tier.read_chain(chain(&bs[..3]));
+        assert!((0..3).all(|_| reads.next().is_some()));
+        drop(reads);
+        // A chain whose tokens differ from the saved ones (another prompt under the
+        // same hashes) hands out nothing.
+        let mut other = chain(&bs[..3]);
+        other[0].tokens[0] += 1;
+        assert!(tier.read_chain(other).next().is_none());
     }
 
     #[test]

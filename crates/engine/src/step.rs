@@ -18,7 +18,7 @@ use crate::api::{
     ForwardRow, GenerateRequest, KvSlot, RequestHandle, StopCause, SubmitError, Timings,
     TokenConstraint, TokenMask, Usage,
 };
-use crate::disk::{DiskCacheState, DiskShared, DiskTier};
+use crate::disk::{ChainBlock, DiskCacheState, DiskShared, DiskTier};
 use crate::prefix::{BlockHash, PrefixIndex, chain_hash};
 use crate::scheduler::{KvBudget, RunningSeq, SchedLimits, StepPlan, WaitingSeq, plan_step};
 use sampling::{ChoiceContext, Sampler, SamplingParams, StopChecker, StopStep};
@@ -742,8 +742,10 @@ impl<'t> Loop<'t> {
 
     /// Reads back from disk the blocks of waiting sequence `i` that follow its longest
     /// prefix in RAM, as idle prefix-cache entries (so the scheduler sees them as cached
-    /// and admission forks them like any cached prefix). Stops at the first block not on
-    /// disk, and while fewer than two blocks are free (restoring never evicts).
+    /// and admission forks them like any cached prefix). The chain of blocks on disk is
+    /// read ahead by the disk tier's reader threads while this thread copies the blocks
+    /// already read into the KV pool. Stops at the first block not on disk or rejected,
+    /// and while fewer than two blocks are free (restoring never evicts).
     fn restore_from_disk(&mut self, i: usize) {
         let Some(disk) = self.disk.as_ref() else {
             return;
@@ -755,17 +757,30 @@ impl<'t> Loop<'t> {
         let Some(s) = self.waiting.get(i) else { return };
         let m = self.index.lookup(&s.hashes, &s.tokens, bs);
         let (mut d, mut holder) = (m.blocks, m.holder);
-        let mut restored = 0u64;
+        // The blocks on disk after the prefix in RAM, as many as could be restored now.
+        let room = self.backend.free_blocks().saturating_sub(1);
+        let chain: Vec<ChainBlock> = (d..s.hashes.len())
+            .take(room)
+            .take_while(|&k| disk.contains(&s.hashes[k]))
+            .map(|k| ChainBlock {
+                hash: s.hashes[k],
+                parent: k.checked_sub(1).map(|p| s.hashes[p]),
+                tokens: s.tokens[k * bs..(k + 1) * bs].to_vec(),
+            })
+            .collect();
+        if chain.is_empty() {
+            return;
+        }
+        let t0 = Instant::now();
+        let mut reads = disk.read_chain(chain);
+        let (mut restored, mut bytes) = (0u64, 0u64);
         while d < s.hashes.len() && self.backend.free_blocks() >= 2 {
-            let h = s.hashes[d];
-            if !disk.contains(&h) {
-                break;
-            }
-            let parent = d.checked_sub(1).map(|p| s.hashes[p]);
-            let tokens = &s.tokens[d * bs..(d + 1) * bs];
-            let Some(block) = disk.read(&h, parent.as_ref(), tokens) else {
+            let Some(block) = reads.next() else {
                 break;
             };
+            let h = s.hashes[d];
+            let parent = d.checked_sub(1).map(|p| s.hashes[p]);
+            let tokens = &s.tokens[d * bs..(d + 1) * bs];
             let slot = match holder {
                 Some(src) => match self.backend.kv_fork(src, d * bs) {
                     Ok(slot) => slot,
@@ -791,10 +806,13 @@ impl<'t> Loop<'t> {
             self.index.release(&[h]);
             holder = Some(slot);
             restored += 1;
+            bytes += block.file_bytes();
             d += 1;
         }
+        drop(reads);
         if restored > 0 {
             disk.count_hits(restored);
+            disk.count_restore(restored, bytes, t0.elapsed());
         }
     }
 

@@ -165,6 +165,12 @@ fn restore_is_exact(name: &str, n_ctx: usize, n_prompt: usize) {
     assert_eq!(m.hit_blocks, full_blocks as u64, "{m:?}");
     assert_eq!((m.miss_blocks, m.rejected_files), (0, 0), "{m:?}");
     assert!(m.bytes_read > 0);
+    assert_eq!(m.restores, 1, "one chain restored: {m:?}");
+    assert_eq!(
+        m.restored_bytes, m.bytes_read,
+        "every block read was restored: {m:?}"
+    );
+    assert!(m.restore_micros > 0, "{m:?}");
     // In RAM now: the same prompt again reads nothing more.
     let again = run(&e, &p);
     assert_same(&again, &cold, "from RAM after the restore");
@@ -206,8 +212,8 @@ fn restore_is_exact(name: &str, n_ctx: usize, n_prompt: usize) {
     }
     assert!(healed, "the damaged blocks were saved again");
     assert!(
-        foreign.exists(),
-        "a file that matches no block is left alone"
+        !foreign.exists(),
+        "a file under a block's name that is no block file is removed at a start"
     );
 }
 

@@ -280,7 +280,8 @@ fn render_disk_cache(metric: &mut impl FnMut(&str, &str, &str, String), engine: 
         ),
         (
             "lockstep_disk_cache_read_bytes_total",
-            "Bytes of block files read back.",
+            "Bytes of block files read and checked (blocks read ahead and then not needed \
+             included).",
             d.bytes_read,
         ),
         (
@@ -314,8 +315,28 @@ fn render_disk_cache(metric: &mut impl FnMut(&str, &str, &str, String), engine: 
     metric(
         "lockstep_disk_cache_read_seconds_total",
         "counter",
-        "Time spent reading and checking block files (read bytes over it is the read rate).",
+        "Time the reader threads spent reading and checking block files, summed over the \
+         threads (they read in parallel; see lockstep_disk_cache_restore_seconds_total).",
         format!("{:.6}", d.read_micros as f64 / 1e6),
+    );
+    metric(
+        "lockstep_disk_cache_restores_total",
+        "counter",
+        "Chains of KV blocks restored from disk (one per request that found blocks there).",
+        d.restores.to_string(),
+    );
+    metric(
+        "lockstep_disk_cache_restored_bytes_total",
+        "counter",
+        "Bytes of block files restored into the KV pool.",
+        d.restored_bytes.to_string(),
+    );
+    metric(
+        "lockstep_disk_cache_restore_seconds_total",
+        "counter",
+        "Wall time of the restores: reading (several files in parallel), checking and \
+         copying into the KV pool (restored bytes over it is the restore rate).",
+        format!("{:.6}", d.restore_micros as f64 / 1e6),
     );
     metric(
         "lockstep_disk_cache_bytes",

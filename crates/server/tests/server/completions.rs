@@ -104,6 +104,8 @@ async fn health_and_prometheus_metrics_are_served() {
         "lockstep_preemptions_total",
         "lockstep_disk_cache_enabled 0",
         "lockstep_disk_cache_hit_blocks_total",
+        "lockstep_disk_cache_restored_bytes_total 0",
+        "lockstep_disk_cache_restore_seconds_total 0",
     ] {
         assert!(text.contains(name), "missing {name} in\n{text}");
     }
