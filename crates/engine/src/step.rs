@@ -1443,7 +1443,7 @@ impl<'t> Loop<'t> {
             let e = self.choose_at(at, row);
             let s = &self.running[at];
             let chose = (s.tokens.len() > before).then(|| s.tokens[before]);
-            let matched = i < k && chose == Some(drafts[i]);
+            let matched = chose.is_some() && drafts.get(i).copied() == chose;
             if matched {
                 accepted += 1;
             }
