@@ -5,7 +5,9 @@
 //! ```
 //!
 //! Prints pp512 and tg128 (tokens/s, medians of 3; tg128 chooses greedily on the device,
-//! and again with the logits read back and the choice made on the host), with `--ab` both
+//! again with the logits read back and the choice made on the host, and again as the
+//! engine does on CUDA: row summaries made on the device, the greedy token and its logprob
+//! from them on the host, the same tokens checked), with `--ab` both
 //! again for each kernel choice of `StepOptions` (older kernels, same bits), the fraction of the HBM bound for
 //! decode (weight bytes per token over 4.3 TB/s, the copy bandwidth measured on this
 //! workplace's H200), the verify-cost curve t(M)/t(1) for M = 1..16 at a 512-token
@@ -70,27 +72,54 @@ fn pp512(b: &mut lockstep_backend_cuda::CudaBackend, prompt: &[u32]) -> f64 {
     median(pp)
 }
 
+/// Where a tg128 step's greedy choice is made.
+#[derive(Clone, Copy, PartialEq)]
+enum Choice {
+    /// On the device; only the id comes back (`forward_greedy`).
+    Device,
+    /// On the host from the logits read back (`forward`).
+    Host,
+    /// As the engine does: row summaries from the device, token and logprob from them on
+    /// the host (`forward_summaries`; the row is fetched only for a non-finite row).
+    Summary,
+}
+
 /// tg128: seconds per token over 128 greedy decode steps from an empty context (median
-/// of 3 after a warm-up), the choice made on the device (only the id comes back) or, with
-/// `host_logits`, the logits read back and the choice made on the host.
-fn tg128_with(b: &mut lockstep_backend_cuda::CudaBackend, host_logits: bool) -> f64 {
+/// of 3 after a warm-up), the choice made as `choice` says; and the tokens chosen.
+fn tg128_with(b: &mut lockstep_backend_cuda::CudaBackend, choice: Choice) -> (f64, Vec<u32>) {
     let mut logits = Vec::new();
+    let mut sums = Vec::new();
     let mut tg = Vec::new();
+    let mut chosen = Vec::new();
     for rep in 0..4 {
         let s = b.kv_new();
         let mut tok = 1u32;
+        chosen.clear();
         let t = Instant::now();
         for p in 0..128 {
             b.kv_prepare(s, p, p + 1).expect("prepare");
-            if host_logits {
-                b.forward(&rows(s, p, &[tok], true), &mut logits)
-                    .expect("forward");
-                tok = argmax(&logits);
-            } else {
-                tok = b
+            tok = match choice {
+                Choice::Host => {
+                    b.forward(&rows(s, p, &[tok], true), &mut logits)
+                        .expect("forward");
+                    argmax(&logits)
+                }
+                Choice::Device => b
                     .forward_greedy(&rows(s, p, &[tok], true))
-                    .expect("forward")[0];
-            }
+                    .expect("forward")[0],
+                Choice::Summary => {
+                    b.forward_summaries(&rows(s, p, &[tok], true), &mut sums)
+                        .expect("forward");
+                    match sums[0].greedy() {
+                        Some((t, _logprob)) => t,
+                        None => {
+                            b.logit_row(0, &mut logits).expect("logit row");
+                            argmax(&logits)
+                        }
+                    }
+                }
+            };
+            chosen.push(tok);
         }
         let dt = t.elapsed().as_secs_f64();
         if rep > 0 {
@@ -98,11 +127,11 @@ fn tg128_with(b: &mut lockstep_backend_cuda::CudaBackend, host_logits: bool) -> 
         }
         b.kv_release(s);
     }
-    median(tg) / 128.0
+    (median(tg) / 128.0, chosen)
 }
 
 fn tg128(b: &mut lockstep_backend_cuda::CudaBackend) -> f64 {
-    tg128_with(b, false)
+    tg128_with(b, Choice::Device).0
 }
 
 fn main() {
@@ -165,11 +194,20 @@ fn main() {
         bound * 1e3,
         100.0 * bound / tg_s
     );
-    let tg_h = tg128_with(&mut b, true);
+    let (tg_h, on_host) = tg128_with(&mut b, Choice::Host);
     println!(
         "tg128 with the logits read back and the choice on the host: {:.3} ms/token, {:.1} tokens/s",
         tg_h * 1e3,
         1.0 / tg_h
+    );
+    let (tg_r, summarized) = tg128_with(&mut b, Choice::Summary);
+    let (_, on_device) = tg128_with(&mut b, Choice::Device);
+    println!(
+        "tg128 with row summaries (the engine's CUDA path): {:.3} ms/token, {:.1} tokens/s; \
+         the same tokens as the device and host choices: {}",
+        tg_r * 1e3,
+        1.0 / tg_r,
+        summarized == on_device && summarized == on_host
     );
     if ab {
         // What each kernel choice buys (same process, same bits).

@@ -172,6 +172,8 @@ const KERNELS: &[&str] = &[
     "matvec_q4_k_q6_k_rows",
     "matvec_q5_k_q6_k",
     "matvec_q5_k_q6_k_rows",
+    "summary_exp",
+    "summary_lanes",
 ];
 
 /// Kernels that may take more than 48 KiB of dynamic shared memory (the device's opt-in
@@ -212,6 +214,8 @@ const PDL: &[&str] = &[
     "rope_kv",
     "argmax_part",
     "argmax_rows",
+    "summary_exp",
+    "summary_lanes",
     "matvec_q4_0",
     "matvec_q4_0_rows",
     "matvec_q4_1",

@@ -8,7 +8,8 @@
 use crate::CudaError;
 use crate::device::{Arg, Buf, Device};
 use crate::ops::{
-    ArgmaxParts, DevActs, DevMatrix, Epilogue, MvInput, MvStyle, i32_of, matvec_kernel, rope_tables,
+    ArgmaxParts, DevActs, DevMatrix, Epilogue, MvInput, MvStyle, SUMMARY_STRIDE, i32_of,
+    matvec_kernel, rope_tables, summary_of,
 };
 use backend_cpu::{BlockAllocator, DEFAULT_BLOCK_SIZE, RopeTable};
 use cudarc::driver::CudaGraph;
@@ -257,6 +258,10 @@ struct Scratch {
     ids: Buf<i32>,
     /// The device argmax's slice results.
     parts: ArgmaxParts,
+    /// The exps of the summarized rows (as many rows as `logits`).
+    ex: Buf<f32>,
+    /// Row summaries ([`Device::row_summaries`]), `SUMMARY_STRIDE` values a row.
+    sums: Buf<f64>,
     /// Row metadata, uploaded in one copy: positions (`rows`), the physical block each row
     /// writes (`rows`), each row's offset into the block tables (`rows`), then the tables.
     meta: Buf<i32>,
@@ -289,6 +294,8 @@ impl Scratch {
             logit_rows: 1,
             ids: dev.zeros(rows)?,
             parts: ArgmaxParts::new(dev, rows)?,
+            ex: dev.zeros(cfg.n_vocab)?,
+            sums: dev.zeros(rows * SUMMARY_STRIDE)?,
             meta: dev.zeros(3 * rows + 64)?,
             generation: next_generation(),
         })
@@ -524,6 +531,11 @@ pub struct CudaBackend {
     graphs: Vec<(GraphKey, Graph)>,
     /// Shapes seen once (captured the next time they come).
     warm_keys: Vec<GraphKey>,
+    /// Whether the engine gets row summaries ([`CudaBackend::set_summaries`]).
+    summaries: bool,
+    /// Logit rows the last `forward_summaries` left on the device (0 after any other
+    /// forward).
+    summarized: usize,
 }
 
 /// Which kernels a step runs on. Every choice computes the same bits; the older ones stay
@@ -610,8 +622,19 @@ const GRAPH_CACHE: usize = 8;
 
 /// What a captured forward depends on: rows, the rows that want logits, the generation of
 /// the scratch buffers (bumped whenever one is reallocated), and whether it ends with the
-/// device argmax.
-type GraphKey = (usize, Vec<usize>, u64, bool);
+/// device argmax or the row summaries.
+type GraphKey = (usize, Vec<usize>, u64, Tail);
+
+/// What a forward leaves on the device after the logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tail {
+    /// Nothing more (the logits are read back).
+    Logits,
+    /// Each logit row's argmax ([`CudaBackend::forward_greedy`]).
+    Argmax,
+    /// Each logit row's [`sampling::RowSummary`] parts (`forward_summaries`).
+    Summary,
+}
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -637,7 +660,17 @@ impl CudaBackend {
             opts,
             graphs: Vec::new(),
             warm_keys: Vec::new(),
+            summaries: std::env::var("LOCKSTEP_CUDA_SUMMARIES").map_or(true, |v| v != "0"),
+            summarized: 0,
         }
+    }
+
+    /// Whether the engine chooses from row summaries made on the device
+    /// ([`ForwardBackend::forward_summaries`]: plain greedy rows never cross to the host)
+    /// or reads every logit row back (on by default, or as `LOCKSTEP_CUDA_SUMMARIES=0`
+    /// says). The choices are the same either way.
+    pub fn set_summaries(&mut self, on: bool) {
+        self.summaries = on;
     }
 
     /// Turns graph capture and replay on or off (on by default, or as
@@ -763,7 +796,7 @@ impl CudaBackend {
     /// Runs the forward of `rows` and leaves the logits of the rows that want them in the
     /// scratch's logit buffer (row order), with `greedy` also each such row's argmax in the
     /// scratch's ids; returns how many rows that is.
-    fn run_forward(&mut self, rows: &[ForwardRow], greedy: bool) -> Result<usize, BackendError> {
+    fn run_forward(&mut self, rows: &[ForwardRow], tail: Tail) -> Result<usize, BackendError> {
         let opts = self.opts;
         let cfg = self.model.cfg.clone();
         let m = rows.len();
@@ -896,6 +929,7 @@ impl CudaBackend {
         let nl = logit_rows.len();
         if s.logit_rows < nl {
             s.logits = dev.zeros(nl * cfg.n_vocab).map_err(be)?;
+            s.ex = dev.zeros(nl * cfg.n_vocab).map_err(be)?;
             s.logit_rows = nl;
             s.generation = next_generation();
         }
@@ -903,7 +937,7 @@ impl CudaBackend {
         // of the whole forward once one eager step of the same shape has run: the same
         // kernels and arguments, one launch. A few shapes are kept, the least recently
         // used dropped first.
-        let key = (m, logit_rows.clone(), s.generation, greedy);
+        let key = (m, logit_rows.clone(), s.generation, tail);
         let kv = &*kv;
         if m <= GRAPH_MAX_ROWS && self.use_graphs {
             if let Some(i) = self.graphs.iter().position(|(k, _)| *k == key) {
@@ -919,19 +953,19 @@ impl CudaBackend {
                 if self.graphs.len() >= GRAPH_CACHE {
                     self.graphs.remove(0);
                 }
-                let g = capture(dev, model, kv, s, m, &logit_rows, opts, greedy).map_err(be)?;
+                let g = capture(dev, model, kv, s, m, &logit_rows, opts, tail).map_err(be)?;
                 g.0.launch()
                     .map_err(|e| be(CudaError::Driver(format!("graph launch: {e}"))))?;
                 self.graphs.push((key, g));
             } else {
-                enqueue(dev, model, kv, s, m, &logit_rows, opts, greedy).map_err(be)?;
+                enqueue(dev, model, kv, s, m, &logit_rows, opts, tail).map_err(be)?;
                 if self.warm_keys.len() >= GRAPH_CACHE {
                     self.warm_keys.remove(0);
                 }
                 self.warm_keys.push(key);
             }
         } else {
-            enqueue(dev, model, kv, s, m, &logit_rows, opts, greedy).map_err(be)?;
+            enqueue(dev, model, kv, s, m, &logit_rows, opts, tail).map_err(be)?;
         }
         Ok(nl)
     }
@@ -941,7 +975,8 @@ impl CudaBackend {
     /// NaN never chosen), the choice the engine's greedy sampler makes on the same logits.
     /// Only the ids cross to the host.
     pub fn forward_greedy(&mut self, rows: &[ForwardRow]) -> Result<Vec<u32>, BackendError> {
-        let nl = self.run_forward(rows, true)?;
+        self.summarized = 0;
+        let nl = self.run_forward(rows, Tail::Argmax)?;
         let dev = &self.model.dev;
         let Some(s) = self.scratch.as_ref() else {
             return Err(BackendError::Other("no scratch after a forward".into()));
@@ -967,7 +1002,7 @@ fn enqueue(
     m: usize,
     logit_rows: &[usize],
     opts: StepOptions,
-    greedy: bool,
+    tail: Tail,
 ) -> Result<(), CudaError> {
     if m == 1 && opts.matvec && model.matvec_ready {
         enqueue_decode(dev, model, kv, s, logit_rows, opts)?;
@@ -975,8 +1010,12 @@ fn enqueue(
         enqueue_rows(dev, model, kv, s, m, logit_rows, opts)?;
     }
     let nl = logit_rows.len();
-    if greedy && nl > 0 {
-        dev.argmax_rows(&s.logits, nl, model.cfg.n_vocab, &mut s.parts, &mut s.ids)?;
+    if tail != Tail::Logits && nl > 0 {
+        let n = model.cfg.n_vocab;
+        dev.argmax_rows(&s.logits, nl, n, &mut s.parts, &mut s.ids)?;
+        if tail == Tail::Summary {
+            dev.row_summaries(&s.logits, nl, n, &s.ids, &mut s.ex, &mut s.sums)?;
+        }
     }
     Ok(())
 }
@@ -1296,7 +1335,7 @@ fn capture(
     m: usize,
     logit_rows: &[usize],
     opts: StepOptions,
-    greedy: bool,
+    tail: Tail,
 ) -> Result<Graph, CudaError> {
     let stream = dev.stream();
     stream
@@ -1304,7 +1343,7 @@ fn capture(
             cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         )
         .map_err(|e| CudaError::Driver(format!("begin capture: {e}")))?;
-    let queued = enqueue(dev, model, kv, s, m, logit_rows, opts, greedy);
+    let queued = enqueue(dev, model, kv, s, m, logit_rows, opts, tail);
     let graph = stream.end_capture(
         cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
     );
@@ -1490,7 +1529,8 @@ impl ForwardBackend for CudaBackend {
     }
 
     fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        let nl = self.run_forward(rows, false)?;
+        self.summarized = 0;
+        let nl = self.run_forward(rows, Tail::Logits)?;
         let dev = &self.model.dev;
         logits.clear();
         let Some(s) = self.scratch.as_ref() else {
@@ -1501,6 +1541,47 @@ impl ForwardBackend for CudaBackend {
         }
         logits.resize(nl * self.model.cfg.n_vocab, 0.0);
         dev.read_into(&s.logits, 0, logits).map_err(be)
+    }
+
+    fn summarizes(&self) -> bool {
+        self.summaries
+    }
+
+    fn forward_summaries(
+        &mut self,
+        rows: &[ForwardRow],
+        summaries: &mut Vec<sampling::RowSummary>,
+    ) -> Result<(), BackendError> {
+        summaries.clear();
+        self.summarized = 0;
+        let nl = self.run_forward(rows, Tail::Summary)?;
+        let dev = &self.model.dev;
+        let Some(s) = self.scratch.as_ref() else {
+            return Err(BackendError::Other("no scratch after a forward".into()));
+        };
+        if nl == 0 {
+            return dev.sync().map_err(be);
+        }
+        let raw = dev.read(&s.sums, nl * SUMMARY_STRIDE).map_err(be)?;
+        summaries.extend(raw.chunks_exact(SUMMARY_STRIDE).map(summary_of));
+        self.summarized = nl;
+        Ok(())
+    }
+
+    fn logit_row(&mut self, i: usize, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        out.clear();
+        let n = self.model.cfg.n_vocab;
+        let s = match self.scratch.as_ref() {
+            Some(s) if i < self.summarized => s,
+            _ => {
+                return Err(BackendError::Other(format!(
+                    "no logit row {i} in the last forward ({} rows)",
+                    self.summarized
+                )));
+            }
+        };
+        out.resize(n, 0.0);
+        self.model.dev.read_into(&s.logits, i * n, out).map_err(be)
     }
 }
 

@@ -1812,3 +1812,74 @@ extern "C" __global__ void argmax_rows(const float* pv, const int* pi, int P, in
     best_of_block(sv, si, best, bi);
     if (t == 0) out[r] = si[0] < 0 ? 0 : si[0];
 }
+
+// ---- row summaries for the greedy choice (sampling::RowSummary) ----------------------
+
+// `exp_nonpositive` of crates/sampling/src/logprob.rs, the same operations in the same
+// order (every product and sum rounded on its own: compiled with --fmad=false, and the
+// intrinsics say so again), constants by their f32 bits.
+__device__ __forceinline__ float exp_nonpositive(float x) {
+    const float LOG2E = __int_as_float(0x3fb8aa3b);
+    const float LN2_HI = __int_as_float(0x3f318000);
+    const float LN2_LO = __int_as_float(0xb95e8083);
+    const float MAGIC = __int_as_float(0x4b400000);  // 1.5 * 2^23
+    const float LO = __int_as_float(0xc2ae0000);     // -87
+    float xc = fmaxf(x, LO);  // NaN -> -87, as f32::max
+    float t = __fadd_rn(__fmul_rn(xc, LOG2E), MAGIC);
+    float n = __fsub_rn(t, MAGIC);
+    int ni = (int)((unsigned)__float_as_int(t) - 0x4B400000u);
+    float r = __fsub_rn(__fsub_rn(xc, __fmul_rn(n, LN2_HI)), __fmul_rn(n, LN2_LO));
+    float p = __int_as_float(0x39506967);
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3ab743cf));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3c088908));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3d2aa9c1));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3e2aaaaa));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3f000000));
+    float y = __fadd_rn(__fadd_rn(__fmul_rn(__fmul_rn(p, r), r), r), 1.0f);
+    float scale = __int_as_float((int)(((unsigned)ni + 127u) << 23));
+    unsigned keep = x >= LO ? 0xffffffffu : 0u;
+    return __int_as_float((int)((unsigned)__float_as_int(__fmul_rn(y, scale)) & keep));
+}
+
+// First launch, grid (P, rows) of 256 threads: ex[r * n + i] = exp_nonpositive(x[i] - max)
+// with max = x[ids[r]] (the row's argmax), or NaN where x[i] is NaN (so the lane sum is
+// NaN and the host falls back to the full row).
+extern "C" __global__ void summary_exp(const float* logits, int n, const int* ids, float* ex) {
+    pdl_trigger();
+    pdl_wait();
+    int r = blockIdx.y;
+    const float* x = logits + (size_t)r * n;
+    float* e = ex + (size_t)r * n;
+    float mx = x[ids[r]];
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        float v = x[i];
+        e[i] = v == v ? exp_nonpositive(__fsub_rn(v, mx)) : __int_as_float(0x7fc00000);
+    }
+}
+
+// Second launch, grid rows of 8 threads: thread j sums, in index order, the f64 of
+// ex[r * n + i] for i % 8 == j (logprob.rs `lane_sums`); out[r * 10 + j] = that lane,
+// out[r * 10 + 8] = the max (the argmax's logit), out[r * 10 + 9] = the argmax.
+extern "C" __global__ void summary_lanes(const float* logits, int n, const int* ids,
+                                         const float* ex, double* out) {
+    pdl_trigger();
+    pdl_wait();
+    int r = blockIdx.x, j = threadIdx.x;
+    const float* e = ex + (size_t)r * n;
+    double acc = 0.0;
+    int i = j;
+    for (; i + 56 < n; i += 64) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = e[i + 8 * u];
+#pragma unroll
+        for (int u = 0; u < 8; u++) acc = __dadd_rn(acc, (double)v[u]);
+    }
+    for (; i < n; i += 8) acc = __dadd_rn(acc, (double)e[i]);
+    out[(size_t)r * 10 + j] = acc;
+    if (j == 0) {
+        int id = ids[r];
+        out[(size_t)r * 10 + 8] = (double)logits[(size_t)r * n + id];
+        out[(size_t)r * 10 + 9] = (double)id;
+    }
+}

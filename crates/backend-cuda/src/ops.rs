@@ -1087,3 +1087,103 @@ pub(crate) fn rope_tables(
     }
     Ok((cos, sin))
 }
+
+/// Values per row of [`Device::row_summaries`]' output: the 8 lanes, the max, the argmax.
+pub(crate) const SUMMARY_STRIDE: usize = sampling::SUMMARY_LANES + 2;
+
+impl Device {
+    /// The [`sampling::RowSummary`] parts of `rows` rows of `n` logits whose argmaxes
+    /// [`Device::argmax_rows`] left in `ids`: `out[r * SUMMARY_STRIDE..]` = the 8 f64 lane
+    /// sums of `exp(l - max)` (NaN when the row holds a NaN), the max, the argmax. Two
+    /// launches: the exps into `ex` (`rows * n`), then 8 threads a row sum them in index
+    /// order, as `sampling` does.
+    pub(crate) fn row_summaries(
+        &self,
+        logits: &Buf<f32>,
+        rows: usize,
+        n: usize,
+        ids: &Buf<i32>,
+        ex: &mut Buf<f32>,
+        out: &mut Buf<f64>,
+    ) -> Result<(), CudaError> {
+        if rows * n > logits.len()
+            || rows * n > ex.len()
+            || rows > ids.len()
+            || rows * SUMMARY_STRIDE > out.len()
+            || n == 0
+        {
+            return Err(CudaError::Shape(format!("row summaries of {rows}×{n}")));
+        }
+        let r = u32::try_from(rows).unwrap_or(u32::MAX);
+        let p = n.div_ceil(256 * 8).clamp(1, 1024) as u32;
+        self.launch(
+            "summary_exp",
+            (p, r, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(self.ptr(logits, 0)),
+                Arg::I32(i32_of("n", n)?),
+                Arg::Ptr(self.ptr(ids, 0)),
+                Arg::Ptr(self.ptr(ex, 0)),
+            ],
+        )?;
+        self.launch(
+            "summary_lanes",
+            (r, 1, 1),
+            (sampling::SUMMARY_LANES as u32, 1, 1),
+            &[
+                Arg::Ptr(self.ptr(logits, 0)),
+                Arg::I32(i32_of("n", n)?),
+                Arg::Ptr(self.ptr(ids, 0)),
+                Arg::Ptr(self.ptr(ex, 0)),
+                Arg::Ptr(self.ptr(out, 0)),
+            ],
+        )
+    }
+
+    /// [`sampling::RowSummary`] of each row of `logits` (rows of `n`), computed on the
+    /// device (argmax, then [`Device::row_summaries`]).
+    pub fn row_summaries_host(
+        &self,
+        logits: &[f32],
+        n: usize,
+    ) -> Result<Vec<sampling::RowSummary>, CudaError> {
+        if n == 0 || !logits.len().is_multiple_of(n) {
+            return Err(CudaError::Shape("summary rows".into()));
+        }
+        let rows = logits.len() / n;
+        let lb = self.upload(logits)?;
+        let mut ids = self.zeros::<i32>(rows)?;
+        let mut parts = ArgmaxParts::new(self, rows)?;
+        self.argmax_rows(&lb, rows, n, &mut parts, &mut ids)?;
+        let mut ex = self.zeros::<f32>(rows * n)?;
+        let mut out = self.zeros::<f64>(rows * SUMMARY_STRIDE)?;
+        self.row_summaries(&lb, rows, n, &ids, &mut ex, &mut out)?;
+        let raw = self.read(&out, rows * SUMMARY_STRIDE)?;
+        Ok(raw.chunks_exact(SUMMARY_STRIDE).map(summary_of).collect())
+    }
+}
+
+/// A [`sampling::RowSummary`] from one row of [`Device::row_summaries`]' output. A row
+/// with a NaN (NaN lanes), a `+inf` or no logit above `-inf` is `fallback`, its other
+/// fields as [`sampling::row_summary`] leaves them.
+pub(crate) fn summary_of(v: &[f64]) -> sampling::RowSummary {
+    let l = sampling::SUMMARY_LANES;
+    let mut lanes = [0f64; sampling::SUMMARY_LANES];
+    lanes.copy_from_slice(&v[..l]);
+    let max = v[l] as f32;
+    if !max.is_finite() || lanes.iter().any(|x| x.is_nan()) {
+        return sampling::RowSummary {
+            argmax: 0,
+            max,
+            lanes: [0.0; sampling::SUMMARY_LANES],
+            fallback: true,
+        };
+    }
+    sampling::RowSummary {
+        argmax: v[l + 1] as u32,
+        max,
+        lanes,
+        fallback: false,
+    }
+}

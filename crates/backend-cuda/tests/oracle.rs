@@ -638,4 +638,124 @@ fn saved_kv_blocks_restore_to_the_same_logits() {
     // The CPU backend's blocks are another layout (f32 or f16 with its own key).
     let cpu = cpu_backend(&g);
     assert_ne!(cpu.kv_block_format(), Some(layout));
+
+/// The device row summaries (argmax, max, the 8 f64 lanes of the log-softmax sum) equal
+/// `sampling`'s bit for bit, and so the greedy token and its logprob: ties, `-inf`, NaN,
+/// `+inf`, underflowing exps, rows of a length that is not a multiple of 8.
+#[test]
+fn row_summaries_match_sampling_bit_for_bit() {
+    let d = device();
+    for (n, rows) in [
+        (151_936usize, 3usize),
+        (1001, 5),
+        (13, 4),
+        (7, 2),
+        (4096, 3),
+    ] {
+        let mut l = Vec::new();
+        for r in 0..rows {
+            let mut row = randv(n, 17 + r as u64 + n as u64, 30.0);
+            match r % 4 {
+                // Coarse values: many ties at the max.
+                0 => row.iter_mut().for_each(|x| *x = (*x / 6.0).round()),
+                // Some -inf, a value far below the max (its exp underflows).
+                1 => {
+                    for i in (0..n).step_by(3) {
+                        row[i] = f32::NEG_INFINITY;
+                    }
+                    row[n - 1] = 200.0;
+                }
+                2 => row[n / 2] = 1e-30,
+                _ => {}
+            }
+            l.extend(row);
+        }
+        let got = d.row_summaries_host(&l, n).unwrap();
+        assert_eq!(got.len(), rows);
+        for (r, g) in got.iter().enumerate() {
+            let want = sampling::row_summary(&l[r * n..(r + 1) * n]);
+            assert!(!want.fallback, "n {n} row {r}");
+            assert_eq!(g.fallback, want.fallback, "n {n} row {r}");
+            assert_eq!(g.argmax, want.argmax, "n {n} row {r}: argmax");
+            assert_eq!(g.max, want.max, "n {n} row {r}: max");
+            for j in 0..sampling::SUMMARY_LANES {
+                assert_eq!(
+                    g.lanes[j].to_bits(),
+                    want.lanes[j].to_bits(),
+                    "n {n} row {r}: lane {j}: {} vs {}",
+                    g.lanes[j],
+                    want.lanes[j]
+                );
+            }
+            let (gt, gl) = g.greedy().unwrap();
+            let (wt, wl) = want.greedy().unwrap();
+            assert_eq!((gt, gl.to_bits()), (wt, wl.to_bits()), "n {n} row {r}");
+        }
+    }
+    // Rows the host must read in full: a NaN, a +inf, nothing above -inf.
+    let n = 1003;
+    let mut l = randv(4 * n, 5, 4.0);
+    l[17] = f32::NAN;
+    l[n + 900] = f32::INFINITY;
+    l[2 * n..3 * n].fill(f32::NEG_INFINITY);
+    l[3 * n..4 * n].fill(f32::NAN);
+    let got = d.row_summaries_host(&l, n).unwrap();
+    for (r, g) in got.iter().enumerate() {
+        assert!(sampling::row_summary(&l[r * n..(r + 1) * n]).fallback);
+        assert!(g.fallback, "row {r}: {g:?}");
+        assert!(g.greedy().is_none());
+    }
+}
+
+/// `forward_summaries` (eager, then from captured graphs) summarizes exactly the rows
+/// `forward` returns, and `logit_row` copies those rows out bit for bit.
+#[test]
+fn forward_summaries_match_forward_rows() {
+    let g = tiny_model("qwen2", GgmlType::Q4_K, Some(GgmlType::Q6_K), "qwen-q4k");
+    let mut full = cuda_backend(&g);
+    let mut summ = cuda_backend(&g);
+    assert!(summ.summarizes() || std::env::var("LOCKSTEP_CUDA_SUMMARIES").is_ok());
+    let nv = full.n_vocab();
+    let toks = tokens(40, 8);
+    let (sf, ss) = (full.kv_new(), summ.kv_new());
+    let mut logits = Vec::new();
+    let mut sums = Vec::new();
+    let mut row = Vec::new();
+    let mut p = 0;
+    // A prompt chunk (last row only), then verify-sized blocks and single decode rows,
+    // each shape several times so the graphs are captured and replayed.
+    let mut chunks = vec![(12usize, false)];
+    chunks.extend([
+        (4, true),
+        (1, true),
+        (1, true),
+        (4, true),
+        (1, true),
+        (4, true),
+    ]);
+    chunks.extend([(1, true); 6]);
+    for (c, all) in chunks {
+        let rows: Vec<ForwardRow> = (0..c)
+            .map(|i| ForwardRow {
+                slot: sf,
+                token: toks[p + i],
+                pos: p + i,
+                wants_logits: all || i + 1 == c,
+            })
+            .collect();
+        full.kv_prepare(sf, p, p + c).unwrap();
+        summ.kv_prepare(ss, p, p + c).unwrap();
+        full.forward(&rows, &mut logits).unwrap();
+        let rows_s: Vec<ForwardRow> = rows.iter().map(|r| ForwardRow { slot: ss, ..*r }).collect();
+        summ.forward_summaries(&rows_s, &mut sums).unwrap();
+        assert_eq!(sums.len() * nv, logits.len(), "position {p}");
+        for (i, s) in sums.iter().enumerate() {
+            let want_row = &logits[i * nv..(i + 1) * nv];
+            assert_eq!(*s, sampling::row_summary(want_row), "position {p} row {i}");
+            summ.logit_row(i, &mut row).unwrap();
+            assert_bits_eq(&format!("position {p} row {i}"), &row, want_row);
+        }
+        assert!(summ.logit_row(sums.len(), &mut row).is_err());
+        p += c;
+    }
 }

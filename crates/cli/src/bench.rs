@@ -579,6 +579,7 @@ fn device_run(
         }
         Test::Gen(n) => prefill(b, TG_PROMPT_TOKENS).and_then(|()| {
             let mut logits = Vec::new();
+            let mut sums = Vec::new();
             let t = Instant::now();
             for i in 0..n {
                 let pos = TG_PROMPT_TOKENS + i;
@@ -589,7 +590,13 @@ fn device_run(
                     pos,
                     wants_logits: true,
                 };
-                b.forward(&[row], &mut logits).map_err(be)?;
+                // As the engine decodes greedily: row summaries where the backend makes
+                // them (the row stays on the device), else the logits read back.
+                if b.summarizes() {
+                    b.forward_summaries(&[row], &mut sums).map_err(be)?;
+                } else {
+                    b.forward(&[row], &mut logits).map_err(be)?;
+                }
             }
             Ok(t.elapsed())
         }),

@@ -645,6 +645,38 @@ pub trait ForwardBackend: Send {
     /// [`ForwardBackend::kv_prepare`]. `logits` is cleared, then gets `n_vocab` values for
     /// each row with `wants_logits`, in row order.
     fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError>;
+    /// Whether this backend implements [`ForwardBackend::forward_summaries`] (one that
+    /// keeps the logits where it computed them, a GPU). `false` by default: the engine
+    /// then calls [`ForwardBackend::forward`] and reads every logit row.
+    fn summarizes(&self) -> bool {
+        false
+    }
+    /// One batched forward like [`ForwardBackend::forward`], but the logit rows stay in
+    /// the backend: `summaries` is cleared, then gets one [`sampling::RowSummary`] per row
+    /// with `wants_logits`, in row order, each equal bit for bit to
+    /// [`sampling::row_summary`] of that row. Until the next forward,
+    /// [`ForwardBackend::logit_row`] copies out any of those rows. The engine chooses a
+    /// plain greedy token from the summary alone and fetches a row only when the choice
+    /// needs it (sampling, penalties, logprobs, digests, a constraint that rejects the
+    /// argmax).
+    fn forward_summaries(
+        &mut self,
+        rows: &[ForwardRow],
+        summaries: &mut Vec<sampling::RowSummary>,
+    ) -> Result<(), BackendError> {
+        let _ = (rows, summaries);
+        Err(BackendError::Other(
+            "this backend does not summarize logit rows".into(),
+        ))
+    }
+    /// Copies logit row `i` (in the numbering of the last
+    /// [`ForwardBackend::forward_summaries`]'s summaries) into `out` (cleared first).
+    fn logit_row(&mut self, i: usize, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        let _ = (i, out);
+        Err(BackendError::Other(
+            "this backend does not keep logit rows".into(),
+        ))
+    }
     /// How this backend's KV blocks are laid out when saved
     /// ([`ForwardBackend::kv_export_block`]): element type, shapes, layer windows — part of
     /// the disk tier's key, so a different layout never matches. `None` (the default) when

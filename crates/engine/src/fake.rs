@@ -26,6 +26,10 @@ pub struct FakeStats {
     pub free_blocks: AtomicU64,
     /// Per forward, the rows of each sequence in it (in order of first appearance).
     pub batches: Mutex<Vec<Vec<usize>>>,
+    /// Logit rows summarized (with [`FakeBackend::summarizing`]).
+    pub rows_summarized: AtomicU64,
+    /// Logit rows copied out through `logit_row` (with [`FakeBackend::summarizing`]).
+    pub rows_fetched: AtomicU64,
 }
 
 fn splitmix(mut x: u64) -> u64 {
@@ -60,6 +64,9 @@ pub struct FakeBackend {
     slots: SlotTable,
     stats: Arc<FakeStats>,
     fail_on_token: Option<u32>,
+    /// Serve `forward_summaries`, keeping the last forward's logits in `kept`.
+    summarizing: bool,
+    kept: Vec<f32>,
 }
 
 impl FakeBackend {
@@ -74,12 +81,22 @@ impl FakeBackend {
             slots: SlotTable::default(),
             stats: Arc::new(FakeStats::default()),
             fail_on_token: None,
+            summarizing: false,
+            kept: Vec::new(),
         }
     }
 
     /// Makes every forward that contains a row with `token` fail (a backend fault).
     pub fn fail_on_token(mut self, token: u32) -> FakeBackend {
         self.fail_on_token = Some(token);
+        self
+    }
+
+    /// Answers [`ForwardBackend::forward_summaries`] as a GPU backend does: the logits stay
+    /// here, the engine gets [`sampling::row_summary`] of each row and fetches rows one by
+    /// one when a choice needs them.
+    pub fn summarizing(mut self) -> FakeBackend {
+        self.summarizing = true;
         self
     }
 
@@ -183,6 +200,42 @@ impl ForwardBackend for FakeBackend {
             self.slots.release(kv, slot);
         }
         self.note_free();
+    }
+
+    fn summarizes(&self) -> bool {
+        self.summarizing
+    }
+
+    fn forward_summaries(
+        &mut self,
+        rows: &[ForwardRow],
+        summaries: &mut Vec<sampling::RowSummary>,
+    ) -> Result<(), BackendError> {
+        summaries.clear();
+        let mut kept = std::mem::take(&mut self.kept);
+        let r = self.forward(rows, &mut kept);
+        if r.is_ok() {
+            summaries.extend(kept.chunks_exact(self.n_vocab).map(sampling::row_summary));
+            self.stats
+                .rows_summarized
+                .fetch_add(summaries.len() as u64, Ordering::SeqCst);
+        } else {
+            kept.clear();
+        }
+        self.kept = kept;
+        r
+    }
+
+    fn logit_row(&mut self, i: usize, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        out.clear();
+        let n = self.n_vocab;
+        let row = self
+            .kept
+            .get(i * n..(i + 1) * n)
+            .ok_or_else(|| BackendError::Other(format!("no logit row {i} in the last forward")))?;
+        out.extend_from_slice(row);
+        self.stats.rows_fetched.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 
     fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError> {

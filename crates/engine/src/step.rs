@@ -437,6 +437,10 @@ struct Loop<'t> {
     never: TokenMask,
     mask: TokenMask,
     logits: Vec<f32>,
+    /// The last forward's row summaries when the backend summarizes.
+    summaries: Vec<sampling::RowSummary>,
+    /// A logit row fetched from the backend for a choice that needs it.
+    row_buf: Vec<f32>,
     metrics: EngineMetrics,
     step_ms_total: f64,
     occupancy_total: f64,
@@ -478,6 +482,8 @@ fn run(
         never,
         mask: TokenMask::new(limits.n_vocab),
         logits: Vec::new(),
+        summaries: Vec::new(),
+        row_buf: Vec::new(),
         metrics: lock(&shared.metrics).clone(),
         step_ms_total: 0.0,
         occupancy_total: 0.0,
@@ -976,20 +982,32 @@ impl<'t> Loop<'t> {
         let t_fwd = Instant::now();
         let rows = self.rows_for(&grants);
         let mut logits = std::mem::take(&mut self.logits);
-        let ok = self.backend.forward(&rows, &mut logits);
-        let mut done: Vec<(u64, usize, Result<Vec<f32>, String>)> = Vec::new();
+        let on_device = self.backend.summarizes();
+        let ok = if on_device {
+            self.backend.forward_summaries(&rows, &mut self.summaries)
+        } else {
+            self.backend.forward(&rows, &mut logits)
+        };
+        let mut done: Vec<(u64, usize, Result<StepRows, String>)> = Vec::new();
         match ok {
             Ok(()) => {
                 let n = self.limits.n_vocab;
                 let mut at = 0;
                 for &(id, r) in &grants {
                     let k = self.logit_rows(id, r);
-                    let l = if k > 0 {
+                    let short = || "the backend returned too few logit rows".to_string();
+                    let l = if on_device {
+                        let first = at;
+                        at += k;
+                        (at <= self.summaries.len())
+                            .then_some(StepRows::Device { first, k })
+                            .ok_or_else(short)
+                    } else if k > 0 {
                         let row = logits.get(at * n..(at + k) * n).map(<[f32]>::to_vec);
                         at += k;
-                        row.ok_or_else(|| "the backend returned too few logit rows".to_string())
+                        row.map(StepRows::Host).ok_or_else(short)
                     } else {
-                        Ok(Vec::new())
+                        Ok(StepRows::Host(Vec::new()))
                     };
                     done.push((id, r, l));
                 }
@@ -1000,8 +1018,8 @@ impl<'t> Loop<'t> {
                 for &(id, r) in &grants {
                     let rows = self.rows_for(&[(id, r)]);
                     let l = match self.backend.forward(&rows, &mut logits) {
-                        Ok(()) if self.logit_rows(id, r) > 0 => Ok(logits.clone()),
-                        Ok(()) => Ok(Vec::new()),
+                        Ok(()) if self.logit_rows(id, r) > 0 => Ok(StepRows::Host(logits.clone())),
+                        Ok(()) => Ok(StepRows::Host(Vec::new())),
                         Err(e) => Err(format!("forward failed: {e}")),
                     };
                     done.push((id, r, l));
@@ -1028,8 +1046,8 @@ impl<'t> Loop<'t> {
                     let s = self.running.remove(at);
                     self.end(s, Exit::Failed(msg));
                 }
-                Ok(l) if l.len() > self.limits.n_vocab => {
-                    if let Some(exit) = self.verify_at(at, &l) {
+                Ok(l) if l.rows(self.limits.n_vocab) > 1 => {
+                    if let Some(exit) = self.verify_at(at, l.as_ref()) {
                         let s = self.running.remove(at);
                         self.end(s, exit);
                     }
@@ -1040,8 +1058,8 @@ impl<'t> Loop<'t> {
                     if let Some(sp) = self.running[at].spec.as_mut() {
                         sp.drafts.clear();
                     }
-                    if !l.is_empty()
-                        && let Some(exit) = self.choose_at(at, &l)
+                    if l.rows(self.limits.n_vocab) > 0
+                        && let Some(exit) = self.choose_at(at, l.as_ref())
                     {
                         let s = self.running.remove(at);
                         self.end(s, exit);
@@ -1170,15 +1188,83 @@ impl<'t> Loop<'t> {
         }
     }
 
-    /// Chooses the next token of running sequence `at` from its logits, emits it, and says
-    /// whether the sequence ends. A verifier walks several rows here.
-    fn choose_at(&mut self, at: usize, logits: &[f32]) -> Option<Exit> {
+    /// Chooses the next token of running sequence `at` from its logit row, emits it, and
+    /// says whether the sequence ends. A verifier walks several rows here.
+    fn choose_at(&mut self, at: usize, row: Logits<'_>) -> Option<Exit> {
+        let mut buf = std::mem::take(&mut self.row_buf);
+        let exit = self.choose_row(at, row, &mut buf);
+        self.row_buf = buf;
+        exit
+    }
+
+    /// The plain greedy choice of sequence `at` from summary `i` alone, when it is exactly
+    /// what the full row would give: temperature 0 without penalties or bias, no
+    /// top logprobs, digests or speculation margin asked, a finite row, and the argmax
+    /// neither never-sampled nor rejected by the constraint (an allowed unmasked argmax
+    /// is the masked argmax too, ties included: it is the lowest id among the maxima).
+    fn greedy_from_summary(&mut self, at: usize, i: usize) -> Option<(u32, f32)> {
+        let s = &mut self.running[at];
+        let (token, logprob) = self.summaries.get(i)?.greedy()?;
+        let plain = s.params.is_plain_greedy()
+            && s.logprobs.is_none()
+            && !s.digests
+            && s.spec.as_ref().is_none_or(|sp| sp.cfg.margin_bar <= 0.0)
+            && (token as usize) < self.limits.n_vocab
+            && !self.never.get(token);
+        (plain && s.constraint.as_mut().is_none_or(|c| c.accepts(token)))
+            .then_some((token, logprob))
+    }
+
+    fn choose_row(&mut self, at: usize, row: Logits<'_>, buf: &mut Vec<f32>) -> Option<Exit> {
+        let fast = match row {
+            Logits::Device { first } => self.greedy_from_summary(at, first),
+            Logits::Host(_) => None,
+        };
+        let (token, logprob, top_logprobs, logit_sha256) = match fast {
+            Some((token, logprob)) => {
+                let s = &mut self.running[at];
+                if let Some(sp) = s.spec.as_mut() {
+                    sp.margin = None;
+                }
+                if let Some(c) = s.constraint.as_mut()
+                    && let Err(e) = c.consume(token)
+                {
+                    return Some(Exit::Failed(format!("constraint: {e}")));
+                }
+                (token, logprob, None, None)
+            }
+            None => {
+                let logits: &[f32] = match row {
+                    Logits::Host(l) => l,
+                    Logits::Device { first } => {
+                        if let Err(e) = self.backend.logit_row(first, buf) {
+                            return Some(Exit::Failed(format!("forward failed: {e}")));
+                        }
+                        buf
+                    }
+                };
+                match self.choose_full(at, logits) {
+                    Ok(c) => c,
+                    Err(exit) => return Some(exit),
+                }
+            }
+        };
+        self.emit(at, token, logprob, top_logprobs, logit_sha256)
+    }
+
+    /// The choice from a full logit row: token, logprob, top logprobs, digest.
+    #[allow(clippy::type_complexity)]
+    fn choose_full(
+        &mut self,
+        at: usize,
+        logits: &[f32],
+    ) -> Result<(u32, f32, Option<Vec<(u32, f32)>>, Option<[u8; 32]>), Exit> {
         let s = &mut self.running[at];
         let position = s.tokens.len();
         let allowed = match s.constraint.as_mut() {
             Some(c) => match c.compute_mask(&mut self.mask) {
                 Ok(()) => Some(&self.mask),
-                Err(e) => return Some(Exit::Failed(format!("constraint: {e}"))),
+                Err(e) => return Err(Exit::Failed(format!("constraint: {e}"))),
             },
             None => None,
         };
@@ -1192,7 +1278,7 @@ impl<'t> Loop<'t> {
             .choose(logits, &ctx, &s.params, allowed, &self.never)
         {
             Ok(c) => c,
-            Err(e) => return Some(Exit::Failed(format!("sampling: {e}"))),
+            Err(e) => return Err(Exit::Failed(format!("sampling: {e}"))),
         };
         let token = choice.token;
         if let Some(sp) = s.spec.as_mut() {
@@ -1202,16 +1288,30 @@ impl<'t> Loop<'t> {
         if let Some(c) = s.constraint.as_mut()
             && let Err(e) = c.consume(token)
         {
-            return Some(Exit::Failed(format!("constraint: {e}")));
+            return Err(Exit::Failed(format!("constraint: {e}")));
         }
         let top_logprobs = match s.logprobs {
             Some(n) => match sampling::top_logprobs(logits, n) {
                 Ok(v) => Some(v.into_iter().map(|t| (t.token, t.logprob)).collect()),
-                Err(e) => return Some(Exit::Failed(format!("logprobs: {e}"))),
+                Err(e) => return Err(Exit::Failed(format!("logprobs: {e}"))),
             },
             None => None,
         };
         let logit_sha256 = s.digests.then(|| logit_digest(logits));
+        Ok((token, choice.logprob, top_logprobs, logit_sha256))
+    }
+
+    /// Appends the chosen `token` to sequence `at`, sends its event and checks every stop.
+    fn emit(
+        &mut self,
+        at: usize,
+        token: u32,
+        logprob: f32,
+        top_logprobs: Option<Vec<(u32, f32)>>,
+        logit_sha256: Option<[u8; 32]>,
+    ) -> Option<Exit> {
+        let s = &mut self.running[at];
+        let position = s.tokens.len();
         s.tokens.push(token);
         if s.first_token.is_none() {
             s.first_token = Some(Instant::now());
@@ -1228,7 +1328,7 @@ impl<'t> Loop<'t> {
             position,
             token,
             text,
-            logprob: choice.logprob,
+            logprob,
             top_logprobs,
             logit_sha256,
         });
@@ -1334,7 +1434,7 @@ impl<'t> Loop<'t> {
     /// plain decoding does and checks every stop), accepting while the target's choice
     /// equals the draft; the first mismatch is the target's own (bonus) token. Then the KV
     /// is truncated to the committed length and the drafter told what was committed.
-    fn verify_at(&mut self, at: usize, logits: &[f32]) -> Option<Exit> {
+    fn verify_at(&mut self, at: usize, logits: Logits<'_>) -> Option<Exit> {
         let n = self.limits.n_vocab;
         let (drafts, forced, source, cost_us) = {
             let s = &mut self.running[at];
@@ -1354,12 +1454,12 @@ impl<'t> Loop<'t> {
         let mut accepted = 0usize;
         let mut exit = None;
         for i in 0..=k {
-            let row = &logits[i * n..(i + 1) * n];
+            let row = logits.row(i, n);
             let before = self.running[at].tokens.len();
             let e = self.choose_at(at, row);
             let s = &self.running[at];
             let chose = (s.tokens.len() > before).then(|| s.tokens[before]);
-            let matched = i < k && chose == Some(drafts[i]);
+            let matched = chose.is_some() && drafts.get(i).copied() == chose;
             if matched {
                 accepted += 1;
             }
@@ -1444,6 +1544,50 @@ impl<'t> Loop<'t> {
             inbox.queued = 0;
         }
         self.publish_metrics();
+    }
+}
+
+/// A grant's logit rows after its forward.
+enum StepRows {
+    /// Copied to the host, `n_vocab` values a row.
+    Host(Vec<f32>),
+    /// Left in the backend: summaries `first..first + k` of the forward.
+    Device { first: usize, k: usize },
+}
+
+impl StepRows {
+    /// Rows held.
+    fn rows(&self, n_vocab: usize) -> usize {
+        match self {
+            StepRows::Host(l) => l.len() / n_vocab.max(1),
+            StepRows::Device { k, .. } => *k,
+        }
+    }
+
+    fn as_ref(&self) -> Logits<'_> {
+        match self {
+            StepRows::Host(l) => Logits::Host(l),
+            StepRows::Device { first, .. } => Logits::Device { first: *first },
+        }
+    }
+}
+
+/// One or more consecutive logit rows of a sequence, on the host or in the backend.
+#[derive(Clone, Copy)]
+enum Logits<'a> {
+    /// The rows themselves.
+    Host(&'a [f32]),
+    /// Starting at the backend's summary (and row) `first`.
+    Device { first: usize },
+}
+
+impl<'a> Logits<'a> {
+    /// Row `i` (of `n` logits) of these rows.
+    fn row(self, i: usize, n: usize) -> Logits<'a> {
+        match self {
+            Logits::Host(l) => Logits::Host(&l[i * n..(i + 1) * n]),
+            Logits::Device { first } => Logits::Device { first: first + i },
+        }
     }
 }
 

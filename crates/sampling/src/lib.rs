@@ -44,7 +44,7 @@ mod params;
 mod stop;
 
 pub use choose::{Choice, ChoiceContext, SampleError, Sampler, choose};
-pub use logprob::{TokenLogprob, top_logprobs};
+pub use logprob::{RowSummary, SUMMARY_LANES, TokenLogprob, row_summary, top_logprobs};
 pub use mask::{MaskError, TokenMask};
 pub use noise::{NoiseKey, gumbel, gumbel_from_bits};
 pub use params::{ParamError, SamplingParams};

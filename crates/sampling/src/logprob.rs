@@ -90,6 +90,13 @@ pub(crate) fn log_normalizer(logits: &[f32]) -> Result<(f32, f64), SampleError> 
     if max == f32::NEG_INFINITY {
         return Err(SampleError::EmptyAllowedSet);
     }
+    Ok((max, lse_of_lanes(&lane_sums(logits, max))))
+}
+
+/// The [`SUMMARY_LANES`] partial sums of `exp(l - max)`: lane `j` adds, in index order, the
+/// terms of the logits at indices `i` with `i % 8 == j`, each term the f32
+/// `exp_nonpositive(l - max)` widened to f64.
+fn lane_sums(logits: &[f32], max: f32) -> [f64; LANES] {
     let mut lanes = [0f64; LANES];
     let chunks = logits.chunks_exact(LANES);
     let rest = chunks.remainder();
@@ -105,9 +112,68 @@ pub(crate) fn log_normalizer(logits: &[f32]) -> Result<(f32, f64), SampleError> 
     for (j, &x) in rest.iter().enumerate() {
         lanes[j] += f64::from(exp_nonpositive(x - max));
     }
+    lanes
+}
+
+/// `ln` of the lanes' total, combined by a fixed tree: the normaliser `lse`.
+fn lse_of_lanes(lanes: &[f64; LANES]) -> f64 {
     let sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
         + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    Ok((max, sum.ln()))
+    sum.ln()
+}
+
+/// Lanes of the log-softmax normaliser's sum in a [`RowSummary`].
+pub const SUMMARY_LANES: usize = LANES;
+
+/// What a backend reports about one logit row so that a plain greedy choice (and its
+/// logprob) needs no copy of the row: exactly what [`Sampler::choose`](crate::Sampler::choose)
+/// would compute from the row, split where the device stops and the host goes on.
+/// [`row_summary`] is the reference; a device computing it must match it bit for bit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RowSummary {
+    /// The lowest id among the maximal logits (meaningless when `fallback`).
+    pub argmax: u32,
+    /// The maximal logit (meaningless when `fallback`).
+    pub max: f32,
+    /// Lane `j`: the f64 sum, in index order, of `exp_nonpositive(l - max)` (the crate's one
+    /// f32 `exp`) over the logits at indices `i % 8 == j` (zeros when `fallback`).
+    pub lanes: [f64; SUMMARY_LANES],
+    /// The row holds a NaN or `+inf`, or no logit above `-inf` (or is empty): the caller
+    /// must choose from the full row, which reports the error.
+    pub fallback: bool,
+}
+
+impl RowSummary {
+    /// The token and logprob [`Sampler::choose`](crate::Sampler::choose) returns for this
+    /// row when its choice is the plain argmax (temperature 0, no penalties, no bias, the
+    /// argmax allowed); `None` when the row must be read in full (`fallback`).
+    pub fn greedy(&self) -> Option<(u32, f32)> {
+        if self.fallback {
+            return None;
+        }
+        let lse = lse_of_lanes(&self.lanes);
+        Some((self.argmax, logprob_with(self.max, self.max, lse)))
+    }
+}
+
+/// The reference [`RowSummary`] of a logit row (what a device must reproduce bit for bit).
+pub fn row_summary(logits: &[f32]) -> RowSummary {
+    let (max, nan) = max_and_nan(logits);
+    if nan || !max.is_finite() {
+        return RowSummary {
+            argmax: 0,
+            max,
+            lanes: [0.0; LANES],
+            fallback: true,
+        };
+    }
+    let argmax = logits.iter().position(|&x| x == max).unwrap_or(0) as u32;
+    RowSummary {
+        argmax,
+        max,
+        lanes: lane_sums(logits, max),
+        fallback: false,
+    }
 }
 
 /// The first NaN or `+inf` logit as an error.
@@ -179,6 +245,63 @@ mod tests {
         assert_eq!(exp_nonpositive(-100.0), 0.0);
         assert_eq!(exp_nonpositive(f32::NAN), 0.0);
         assert_eq!(exp_nonpositive(0.0), 1.0);
+    }
+
+    #[test]
+    fn summary_greedy_equals_the_full_choice() {
+        use crate::{ChoiceContext, Sampler, SamplingParams, TokenMask};
+        let params = SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        };
+        assert!(params.is_plain_greedy());
+        assert!(!SamplingParams::default().is_plain_greedy());
+        let ctx = ChoiceContext::default();
+        let mut sampler = Sampler::new();
+        let mut seed = 7u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) as u32
+        };
+        for len in [1usize, 7, 8, 9, 63, 64, 65, 1000, 4099] {
+            for case in 0..6 {
+                // Coarse values make ties; some -inf; case 5 is all -inf but one.
+                let mut row: Vec<f32> = (0..len)
+                    .map(|_| match next() % 11 {
+                        0 => f32::NEG_INFINITY,
+                        v => (v as f32 - 5.0) * if case % 2 == 0 { 0.25 } else { 3.7 },
+                    })
+                    .collect();
+                if case == 5 {
+                    row.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+                    row[len / 2] = -1.5;
+                }
+                if case == 4 && len > 3 {
+                    row[1] = -0.0;
+                    row[2] = 0.0;
+                }
+                let never = TokenMask::new(len);
+                let full = sampler.choose(&row, &ctx, &params, None, &never).unwrap();
+                let summary = row_summary(&row);
+                assert_eq!(
+                    summary.greedy(),
+                    Some((full.token, full.logprob)),
+                    "len {len} case {case}"
+                );
+                let (_, lse) = log_normalizer(&row).unwrap();
+                assert_eq!(lse_of_lanes(&summary.lanes).to_bits(), lse.to_bits());
+            }
+        }
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut row = vec![1.0f32; 20];
+            row[13] = bad;
+            assert!(row_summary(&row).fallback);
+            assert!(row_summary(&row).greedy().is_none());
+        }
+        assert!(row_summary(&[f32::NEG_INFINITY; 9]).fallback);
+        assert!(row_summary(&[]).fallback);
     }
 
     #[test]

@@ -129,6 +129,18 @@ impl SamplingParams {
         Ok(())
     }
 
+    /// Whether the choice is the plain argmax of the raw logits over the allowed set: valid
+    /// parameters, temperature 0, no penalty and no `logit_bias`. Then a
+    /// [`RowSummary`](crate::RowSummary) of the row decides as the full row would.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature == 0.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+            && self.repetition_penalty == 1.0
+            && self.logit_bias.is_empty()
+            && self.validate().is_ok()
+    }
+
     /// Whether the presence or frequency penalty is on.
     pub(crate) fn counts_generated(&self) -> bool {
         self.presence_penalty != 0.0 || self.frequency_penalty != 0.0

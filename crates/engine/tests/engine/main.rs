@@ -3,6 +3,7 @@
 
 mod common;
 mod speculation;
+mod summaries;
 
 use common::*;
 use lockstep_engine::{
