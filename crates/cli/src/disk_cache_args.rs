@@ -82,7 +82,7 @@ impl DiskCacheArgs {
 /// Why the model in `gguf`, running on `device_name`, cannot use the disk cache, if it
 /// cannot: the CUDA backend cannot save its KV yet, DeepSeek V4 shares no prefixes.
 pub fn unusable(gguf: &gguf::GgufFile, device_name: Option<&str>) -> Option<&'static str> {
-    if crate::load::is_deepseek4(gguf) {
+    if runtime::load::is_deepseek4(gguf) {
         Some("DeepSeek V4 sequences share no prompt prefixes, so nothing is cached")
     } else if device_name.is_some_and(|d| d.starts_with("cuda")) {
         Some("the CUDA backend's KV cache cannot be saved and restored yet (CPU only)")
