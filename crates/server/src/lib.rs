@@ -1,8 +1,8 @@
 //! The OpenAI- and Anthropic-compatible HTTP server: chat completions, completions,
 //! responses, messages, models, health and metrics, and the chat page at `/` ([`page`]).
 //!
-//! [`Runtime::open`] (crate `runtime`) loads a GGUF and starts the engine; [`Server::bind`] binds an
-//! address; [`Server::serve`] runs until a shutdown future completes (graceful: in-flight
+//! [`Runtime::open`] (crate `runtime`) loads a GGUF and starts the engine; [`Server::bind`]
+//! binds an address; [`Server::serve`] runs until a shutdown future completes (graceful: in-flight
 //! requests finish within a grace period). Handlers are thin: request bodies are `serde`
 //! types ([`api`]) parsed by an extractor that names the field at fault; the work lives in
 //! [`request`] (validation, prompt, constraints), [`run`] (engine bridge), and one module
