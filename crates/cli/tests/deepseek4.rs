@@ -179,49 +179,37 @@ fn http_post(addr: &str, path: &str, body: &str) -> Result<String, Box<dyn std::
 
 #[test]
 fn serve_drafts_with_a_dspark_support_file_and_answers_as_plain_decoding() -> TestResult {
-    use std::io::BufRead;
     let plain: Value = serde_json::from_str(
         String::from_utf8_lossy(&run(&["--temp", "0", "-o", "json"])?.stdout)
             .lines()
             .last()
             .ok_or("no output")?,
     )?;
-    let (model, sup) = (fixture(), support());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lockstep"))
-        .args(["serve", "-m", &model, "--port", "0", "--device", "cpu"])
-        .args(["--dspark", &sup, "--spec-max-draft", "5"])
-        .args(["--spec-confidence-grid", "0"])
-        .env_remove("RUST_LOG")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    let result = (|| -> TestResult {
-        let stdout = child.stdout.take().ok_or("no stdout")?;
-        let mut line = String::new();
-        std::io::BufReader::new(stdout).read_line(&mut line)?;
-        let addr = line
-            .split("http://")
-            .nth(1)
-            .and_then(|r| r.split('/').next())
-            .ok_or_else(|| format!("no address in {line:?}"))?
-            .to_string();
-        let body = serde_json::json!({
-            "model": "flash-layout",
-            "prompt": "abcabcabcabc abcabc",
-            "max_tokens": 16,
-            "temperature": 0,
-        })
-        .to_string();
-        let v: Value = serde_json::from_str(&http_post(&addr, "/v1/completions", &body)?)?;
-        assert_eq!(v["choices"][0]["text"], plain["text"], "{v}");
-        assert_eq!(v["usage"]["completion_tokens"], 16, "{v}");
-        let spec = &v["usage"]["speculative"];
-        assert!(spec["drafted"].as_u64().unwrap_or(0) > 0, "{v}");
-        Ok(())
-    })();
-    let _ = child.kill();
-    let _ = child.wait();
-    result
+    let sup = support();
+    let served = serve(
+        &fixture(),
+        &[
+            "--dspark",
+            &sup,
+            "--spec-max-draft",
+            "5",
+            "--spec-confidence-grid",
+            "0",
+        ],
+    )?;
+    let body = serde_json::json!({
+        "model": "flash-layout",
+        "prompt": "abcabcabcabc abcabc",
+        "max_tokens": 16,
+        "temperature": 0,
+    })
+    .to_string();
+    let v: Value = serde_json::from_str(&http_post(&served.addr, "/v1/completions", &body)?)?;
+    assert_eq!(v["choices"][0]["text"], plain["text"], "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 16, "{v}");
+    let spec = &v["usage"]["speculative"];
+    assert!(spec["drafted"].as_u64().unwrap_or(0) > 0, "{v}");
+    Ok(())
 }
 
 /// A running `lockstep serve -m MODEL EXTRA…` and its address; killed on drop.
