@@ -638,6 +638,7 @@ fn saved_kv_blocks_restore_to_the_same_logits() {
     // The CPU backend's blocks are another layout (f32 or f16 with its own key).
     let cpu = cpu_backend(&g);
     assert_ne!(cpu.kv_block_format(), Some(layout));
+}
 
 /// The device row summaries (argmax, max, the 8 f64 lanes of the log-softmax sum) equal
 /// `sampling`'s bit for bit, and so the greedy token and its logprob: ties, `-inf`, NaN,

@@ -82,11 +82,11 @@ struct Target {
 impl Target {
     fn start(
         path: &std::path::Path,
-        opts: &server::ModelOptions,
+        opts: &runtime::ModelOptions,
         what: &str,
     ) -> anyhow::Result<Target> {
         let model = Arc::new(
-            server::ServedModel::load(path, opts)
+            runtime::Runtime::open(path, opts)
                 .with_context(|| format!("loading {} ({what})", path.display()))?,
         );
         let server = server::BackgroundServer::start(
@@ -159,11 +159,11 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
         serde_json::from_str(SESSIONS).context("the built-in agent sessions do not parse")?;
     let path = load::resolve_model_path(&setup.model)?;
     let name = load::display_name(&setup.model, &path);
-    let gguf = load::open_gguf(&path)?;
-    let n_ctx = load::context_length(&gguf, None)?.min(8192);
-    load::check_memory(&gguf, n_ctx, model::KvType::default())?;
+    let gguf = runtime::load::open_gguf(&path)?;
+    let n_ctx = runtime::load::context_length(&gguf, None)?.min(8192);
+    runtime::load::check_memory(&gguf, n_ctx, model::KvType::default())?;
     drop(gguf);
-    let mut opts = server::ModelOptions::new(name.clone());
+    let mut opts = runtime::ModelOptions::new(name.clone());
     opts.threads = setup.threads;
     opts.ctx_size = Some(n_ctx);
     opts.max_seqs = 1;

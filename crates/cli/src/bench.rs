@@ -303,11 +303,11 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     for spec in &args.models {
         let path = load::resolve_model_path(spec)?;
         let name = load::display_name(spec, &path);
-        let gguf = load::open_gguf(&path)?;
+        let gguf = runtime::load::open_gguf(&path)?;
         let needed = tests.iter().map(|t| t.context()).max().unwrap_or(1);
-        let n_ctx = load::context_length(&gguf, Some(needed))
+        let n_ctx = runtime::load::context_length(&gguf, Some(needed))
             .with_context(|| format!("{name}: the longest test needs {needed} tokens"))?;
-        load::check_memory(&gguf, n_ctx, kv_type)?;
+        runtime::load::check_memory(&gguf, n_ctx, kv_type)?;
         let size: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
         let per_token = decode_bytes_per_token(&gguf);
         for &t in &threads {
@@ -434,9 +434,9 @@ fn run_device(args: &BenchArgs, tests: &[Test], out: &mut dyn Write) -> anyhow::
     for spec in &args.models {
         let path = load::resolve_model_path(spec)?;
         let name = load::display_name(spec, &path);
-        let gguf = load::open_gguf(&path)?;
+        let gguf = runtime::load::open_gguf(&path)?;
         let needed = tests.iter().map(|t| t.context()).max().unwrap_or(1);
-        let n_ctx = load::context_length(&gguf, Some(needed))
+        let n_ctx = runtime::load::context_length(&gguf, Some(needed))
             .with_context(|| format!("{name}: the longest test needs {needed} tokens"))?;
         let margs = crate::args::ModelArgs {
             model: spec.clone(),

@@ -44,35 +44,6 @@ pub struct ConstraintArgs {
     pub choice: Vec<String>,
 }
 
-/// Where a chat reply's reasoning segment stands, as the rendered prompt shows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reasoning {
-    /// The model does not think first (or the template turned thinking off).
-    None,
-    /// The model opens a `<think>…</think>` block before its answer.
-    Block,
-    /// The prompt ends with `<think>`: the output starts inside the thoughts.
-    Opened,
-}
-
-/// How a chat reply begins for a model whose template is `template_source`, given the
-/// rendered prompt text: templates that know `<think>` make the model think first,
-/// unless the generation prompt already closed an (empty) block — thinking turned off —
-/// or opened one.
-pub fn reasoning_segment(template_source: &str, prompt_text: &str) -> Reasoning {
-    if !template_source.contains("<think>") {
-        return Reasoning::None;
-    }
-    let tail = prompt_text.trim_end();
-    if tail.ends_with("<think>") {
-        Reasoning::Opened
-    } else if tail.ends_with("</think>") {
-        Reasoning::None
-    } else {
-        Reasoning::Block
-    }
-}
-
 impl ConstraintArgs {
     /// The constraint the flags ask for (files read, JSON parsed), without a reasoning
     /// segment; `None` when no flag is given.
@@ -142,7 +113,8 @@ pub struct RequestedConstraint {
 impl RequestedConstraint {
     /// Compiles the constraint for `session`'s model. With `chat`, a model that thinks
     /// first keeps its reasoning segment free and the constraint applies after
-    /// `</think>` (see [`reasoning_segment`]); `prompt` is the rendered prompt's tokens.
+    /// `</think>` (the runtime's rule, [`runtime::Runtime::constrain`], the same the
+    /// server follows); `prompt` is the rendered prompt's tokens.
     pub fn compile(
         &self,
         session: &Session,
@@ -150,17 +122,10 @@ impl RequestedConstraint {
         prompt: &[u32],
     ) -> anyhow::Result<CompiledGrammar> {
         let mut constraint = self.constraint.clone();
-        if chat && let Some(template) = &session.template {
-            let text = prompt_text(session, prompt);
-            constraint = match reasoning_segment(template.source(), &text) {
-                Reasoning::None => constraint,
-                Reasoning::Block => constraint.with_think(true),
-                Reasoning::Opened => constraint.with_think_opened(),
-            };
+        if chat {
+            constraint = session.runtime.constrain(constraint, prompt);
         }
-        let env = TokenEnv::with_logit_width(session.tokenizer.clone(), session.engine.n_vocab())
-            .context("building the grammar's token environment")?;
-        compile_timed(&constraint, &env)
+        compile_timed(&constraint, session.runtime.token_env())
             .with_context(|| format!("{} is not a usable constraint", self.flag))
     }
 }
@@ -192,17 +157,6 @@ pub fn compile_timed(
         compiled,
         compile_ms: start.elapsed().as_secs_f64() * 1e3,
     })
-}
-
-/// The text of the prompt's last tokens (enough to see how the generation prompt ends),
-/// special tokens spelled as their text.
-fn prompt_text(session: &Session, prompt: &[u32]) -> String {
-    let from = prompt.len().saturating_sub(16);
-    let mut bytes = Vec::new();
-    for &t in prompt.get(from..).unwrap_or_default() {
-        bytes.extend_from_slice(session.tokenizer.token_bytes(t).unwrap_or_default());
-    }
-    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 fn read_file(path: &str, flag: &str) -> anyhow::Result<String> {
@@ -296,23 +250,5 @@ mod tests {
         assert!(e.contains("--grammar"), "{e}");
         let e = err(&["--choice", "a,,b"]);
         assert!(e.contains("choice 2 is empty"), "{e}");
-    }
-
-    #[test]
-    fn reasoning_segment_follows_the_generation_prompt() {
-        let plain = "{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}";
-        let thinking =
-            "{{ '<think>' }}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-        let prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
-        assert_eq!(reasoning_segment(plain, prompt), Reasoning::None);
-        assert_eq!(reasoning_segment(thinking, prompt), Reasoning::Block);
-        assert_eq!(
-            reasoning_segment(thinking, &format!("{prompt}<think>\n")),
-            Reasoning::Opened
-        );
-        assert_eq!(
-            reasoning_segment(thinking, &format!("{prompt}<think>\n\n</think>\n\n")),
-            Reasoning::None
-        );
     }
 }

@@ -11,7 +11,6 @@ use engine::{Deepseek4Backend, ForwardBackend, ModelBackend};
 use gguf::GgufFile;
 
 use crate::args::ModelArgs;
-use crate::load;
 
 /// A `--device` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,19 +74,21 @@ pub fn backend(
     name: &str,
     dspark: Option<&str>,
 ) -> anyhow::Result<Loaded> {
-    if load::is_deepseek4(gguf) {
+    if runtime::load::is_deepseek4(gguf) {
         // DeepSeek V4 runs on the CPU backend only (per-sequence compressor state).
         if let DeviceArg::Cuda(n) = args.device {
             bail!("--device cuda:{n}: {name} is a deepseek4 model, which runs on the CPU only");
         }
-        let model =
-            Arc::new(load::load_deepseek4(gguf, args).with_context(|| format!("loading {name}"))?);
+        let model = Arc::new(
+            runtime::load::load_deepseek4(gguf, args.threads(), args.ctx_size)
+                .with_context(|| format!("loading {name}"))?,
+        );
         let (n_ctx, n_vocab) = (model.n_ctx(), model.config().n_vocab);
         let mut backend = Deepseek4Backend::new(Arc::clone(&model));
         let draft = match dspark {
             None => None,
             Some(path) => {
-                let support = load::open_gguf(std::path::Path::new(path))?;
+                let support = runtime::load::open_gguf(std::path::Path::new(path))?;
                 let d = model::Dspark::load(support, model).with_context(|| {
                     format!("--dspark {path}: the support file does not fit {name}")
                 })?;
@@ -137,7 +138,10 @@ pub fn backend(
             }
         }
     }
-    let model = Arc::new(load::load_model(gguf, args).with_context(|| format!("loading {name}"))?);
+    let model = Arc::new(
+        runtime::load::load_model(gguf, args.threads(), args.ctx_size, args.kv_type.into())
+            .with_context(|| format!("loading {name}"))?,
+    );
     let (n_ctx, n_vocab) = (model.n_ctx(), model.config().n_vocab);
     Ok(Loaded {
         backend: Box::new(ModelBackend::new(model)),
@@ -157,7 +161,7 @@ fn cuda_backend(
     if args.kv_type != crate::args::KvTypeArg::F16 {
         bail!("the CUDA backend keeps its KV cache in f16 only (drop --kv-type)");
     }
-    let n_ctx = load::context_length(gguf, args.ctx_size)?;
+    let n_ctx = runtime::load::context_length(gguf, args.ctx_size)?;
     let b = backend_cuda::load_backend(ordinal, Arc::clone(gguf), Some(n_ctx))?;
     let dev = b.model().device();
     eprintln!(

@@ -83,7 +83,7 @@ impl DiskCacheArgs {
 /// Why the model in `gguf` cannot use the disk cache, if it cannot: DeepSeek V4 shares no
 /// prefixes. (Both backends save and restore their KV blocks.)
 pub fn unusable(gguf: &gguf::GgufFile) -> Option<&'static str> {
-    if crate::load::is_deepseek4(gguf) {
+    if runtime::load::is_deepseek4(gguf) {
         Some("DeepSeek V4 sequences share no prompt prefixes, so nothing is cached")
     } else {
         None

@@ -191,8 +191,8 @@ pub fn run(args: &GrammarBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::
     let n_ctx = 2048;
     let path = load::resolve_model_path(&args.model)?;
     let name = load::display_name(&args.model, &path);
-    let gguf = load::open_gguf(&path)?;
-    let tok = Arc::new(load::load_tokenizer(&gguf)?);
+    let gguf = runtime::load::open_gguf(&path)?;
+    let tok = Arc::new(runtime::load::load_tokenizer(&gguf)?);
     let opts = LoadOptions {
         threads: args.threads,
         n_ctx: Some(n_ctx),

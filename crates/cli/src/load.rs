@@ -1,24 +1,13 @@
-//! Loading what the generation commands need: the model file (resolved, fetched on first
-//! use), a memory check before anything large is touched, the model, its tokenizer and its
-//! chat template.
+//! What the generation commands resolve before anything loads: `-m` (a file, or a known
+//! model fetched on first use with a progress bar), its display name, and the error for
+//! chat on a base model. Opening, the context length, the memory check, the model, its
+//! tokenizer and chat template are the `runtime` crate's ([`runtime::load`]).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use anyhow::{Context, bail};
-use gguf::GgufFile;
-use model::{KvType, LoadOptions, MemoryEstimate, Model};
-use text::Tokenizer;
+use anyhow::bail;
 
-use crate::args::ModelArgs;
 use crate::model_arg;
-
-/// Context length used when `--ctx-size` is not given and the file does not say how long a
-/// context the model was trained for.
-pub const DEFAULT_CTX: usize = 4096;
-
-/// Default contexts bounded by memory are rounded down to a multiple of this.
-const CTX_STEP: usize = 256;
 
 /// Resolves `-m`: a path to an existing file, or a known model name (fetched into the
 /// cache with a progress bar on first use). Something that looks like a path but is not a
@@ -41,12 +30,6 @@ pub fn resolve_model_path(spec: &str) -> anyhow::Result<PathBuf> {
     model_arg::resolve(spec)
 }
 
-/// Opens (maps) a GGUF file.
-pub fn open_gguf(path: &Path) -> anyhow::Result<Arc<GgufFile>> {
-    let file = GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
-    Ok(Arc::new(file))
-}
-
 /// A short display name for a model: the known name, or the file stem of a path.
 pub fn display_name(spec: &str, path: &Path) -> String {
     if path == Path::new(spec) {
@@ -55,235 +38,6 @@ pub fn display_name(spec: &str, path: &Path) -> String {
     } else {
         spec.to_string()
     }
-}
-
-/// The trained context length from the metadata (`{arch}.context_length`), if present.
-pub fn trained_context(gguf: &GgufFile) -> Option<usize> {
-    let arch = gguf.architecture().ok()?;
-    let key = format!("{arch}.context_length");
-    let n = gguf
-        .get_u64(&key)
-        .ok()
-        .or_else(|| gguf.get_u32(&key).ok().map(u64::from))?;
-    usize::try_from(n).ok()
-}
-
-/// The context length to run with: `--ctx-size`, else the model's trained context bounded
-/// by the memory this machine has (see [`context_choice`]). An explicit size beyond the
-/// trained context is refused.
-pub fn context_length(gguf: &GgufFile, requested: Option<usize>) -> anyhow::Result<usize> {
-    Ok(context_choice(gguf, requested, KvType::F16, |n| n)?.n_ctx)
-}
-
-/// Why a context length was chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ContextBound {
-    /// `--ctx-size` asked for it.
-    Requested,
-    /// The model's trained context (it fits in memory).
-    Trained,
-    /// The trained context (`trained` tokens) did not fit in the memory available
-    /// (`available_mib`): the largest context that fits.
-    Memory {
-        /// The model's trained context.
-        trained: usize,
-        /// `MemAvailable` in MiB.
-        available_mib: u64,
-    },
-    /// The file does not say its trained context: [`DEFAULT_CTX`].
-    Fallback,
-}
-
-/// A context length and the bound that set it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ContextChoice {
-    /// The context length in tokens.
-    pub n_ctx: usize,
-    /// What set it.
-    pub bound: ContextBound,
-}
-
-impl ContextChoice {
-    /// A short note for start-up lines: `context 32768: the model's trained context`.
-    pub fn describe(&self) -> String {
-        let n = self.n_ctx;
-        match self.bound {
-            ContextBound::Requested => format!("context {n}: --ctx-size"),
-            ContextBound::Trained => format!("context {n}: the model's trained context"),
-            ContextBound::Memory {
-                trained,
-                available_mib,
-            } => format!(
-                "context {n}: bounded by memory ({available_mib} MiB available; the model was \
-                 trained for {trained}; -c sets it)"
-            ),
-            ContextBound::Fallback => {
-                format!("context {n}: the model file does not give its trained context")
-            }
-        }
-    }
-}
-
-/// The context length to run with and why: `--ctx-size` when given (refused beyond the
-/// trained context); else the model's trained context when its memory estimate — with a
-/// KV cache of `kv_slots(n)` token slots for a context of `n` — fits in `MemAvailable`;
-/// else the largest multiple of 256 tokens that fits (at least 256); [`DEFAULT_CTX`] for
-/// files that do not give their trained context.
-pub fn context_choice(
-    gguf: &GgufFile,
-    requested: Option<usize>,
-    kv_type: KvType,
-    kv_slots: impl Fn(usize) -> usize,
-) -> anyhow::Result<ContextChoice> {
-    context_choice_within(
-        gguf,
-        requested,
-        kv_type,
-        kv_slots,
-        model::available_memory(),
-    )
-}
-
-/// [`context_choice`] with the memory available given (`None`: unknown, no bound).
-pub fn context_choice_within(
-    gguf: &GgufFile,
-    requested: Option<usize>,
-    kv_type: KvType,
-    kv_slots: impl Fn(usize) -> usize,
-    available: Option<u64>,
-) -> anyhow::Result<ContextChoice> {
-    let trained = trained_context(gguf);
-    match (requested, trained) {
-        (Some(0), _) => bail!("--ctx-size must be at least 1"),
-        (Some(n), Some(t)) if n > t => {
-            bail!("--ctx-size {n} exceeds the model's trained context of {t} tokens")
-        }
-        (Some(n), _) => Ok(ContextChoice {
-            n_ctx: n,
-            bound: ContextBound::Requested,
-        }),
-        (None, None) => Ok(ContextChoice {
-            n_ctx: DEFAULT_CTX,
-            bound: ContextBound::Fallback,
-        }),
-        (None, Some(t)) => {
-            let Some(available) = available else {
-                return Ok(ContextChoice {
-                    n_ctx: t,
-                    bound: ContextBound::Trained,
-                });
-            };
-            let fits = |n: usize| -> anyhow::Result<bool> {
-                Ok(MemoryEstimate::for_model(gguf, kv_slots(n), kv_type)?.total <= available)
-            };
-            if fits(t)? {
-                return Ok(ContextChoice {
-                    n_ctx: t,
-                    bound: ContextBound::Trained,
-                });
-            }
-            // The largest multiple of CTX_STEP below `t` that fits (binary search: the
-            // estimate grows with the context).
-            let (mut lo, mut hi) = (1usize, t / CTX_STEP);
-            if hi == 0 || !fits(CTX_STEP)? {
-                // Not even the smallest step fits: let the memory check say why.
-                lo = 1;
-                hi = 1;
-            }
-            while lo < hi {
-                let mid = (lo + hi).div_ceil(2);
-                if fits(mid * CTX_STEP)? {
-                    lo = mid;
-                } else {
-                    hi = mid - 1;
-                }
-            }
-            Ok(ContextChoice {
-                n_ctx: (lo * CTX_STEP).min(t),
-                bound: ContextBound::Memory {
-                    trained: t,
-                    available_mib: available >> 20,
-                },
-            })
-        }
-    }
-}
-
-/// Compares what the model needs (weights, KV cache for `ctx_tokens`, scratch) with
-/// `MemAvailable` and refuses with the numbers when it does not fit.
-pub fn check_memory(
-    gguf: &GgufFile,
-    ctx_tokens: usize,
-    kv_type: KvType,
-) -> anyhow::Result<MemoryEstimate> {
-    let estimate = MemoryEstimate::for_model(gguf, ctx_tokens, kv_type)?;
-    if let Some(available) = model::available_memory() {
-        model::check_memory(&estimate, available)?;
-    }
-    Ok(estimate)
-}
-
-/// Loads the model in `gguf` with the threads, context and KV type of `args`, after the
-/// memory check.
-pub fn load_model(gguf: &Arc<GgufFile>, args: &ModelArgs) -> anyhow::Result<Model> {
-    let n_ctx = context_length(gguf, args.ctx_size)?;
-    let kv_type = args.kv_type.into();
-    check_memory(gguf, n_ctx, kv_type)?;
-    let opts = LoadOptions {
-        threads: args.threads(),
-        kv_type,
-        n_ctx: Some(n_ctx),
-    };
-    Ok(Model::load(Arc::clone(gguf), &opts)?)
-}
-
-/// Whether `gguf` is a DeepSeek V4 file (run by [`model::Deepseek4`], not [`Model`]).
-pub fn is_deepseek4(gguf: &GgufFile) -> bool {
-    gguf.architecture().ok() == Some("deepseek4")
-}
-
-/// Loads the DeepSeek V4 model in `gguf` with the threads and context of `args`, after the
-/// memory check (`--kv-type` does not apply: its state is f32).
-pub fn load_deepseek4(gguf: &Arc<GgufFile>, args: &ModelArgs) -> anyhow::Result<model::Deepseek4> {
-    let n_ctx = context_length(gguf, args.ctx_size)?;
-    check_memory(gguf, n_ctx, KvType::F32)?;
-    let opts = LoadOptions {
-        threads: args.threads(),
-        kv_type: KvType::F32,
-        n_ctx: Some(n_ctx),
-    };
-    Ok(model::Deepseek4::load(Arc::clone(gguf), &opts)?)
-}
-
-/// Builds the tokenizer from the GGUF's tokenizer metadata.
-pub fn load_tokenizer(gguf: &GgufFile) -> anyhow::Result<Tokenizer> {
-    Tokenizer::from_gguf(gguf).context("reading the tokenizer from the model file")
-}
-
-/// The model's chat template (`tokenizer.chat_template`), compiled with the model's BOS
-/// and EOS texts; `None` when the file has no template (base models).
-pub fn chat_template(
-    gguf: &GgufFile,
-    tokenizer: &Tokenizer,
-) -> anyhow::Result<Option<chat::ChatTemplate>> {
-    let Some(value) = gguf.get("tokenizer.chat_template") else {
-        return Ok(None);
-    };
-    let Some(source) = value.as_str() else {
-        bail!("tokenizer.chat_template is not a string");
-    };
-    let text_of = |id: Option<u32>| {
-        id.and_then(|id| tokenizer.token_text(id))
-            .unwrap_or("")
-            .to_string()
-    };
-    let template = chat::ChatTemplate::new(
-        source,
-        &text_of(tokenizer.bos_id()),
-        &text_of(tokenizer.eos_id()),
-    )
-    .context("compiling the model's chat template")?;
-    Ok(Some(template))
 }
 
 /// The error for `--chat` (or `lockstep chat`) on a model without a chat template.
@@ -306,49 +60,6 @@ mod tests {
             assert!(msg.contains("does not exist"), "{spec}: {msg}");
             assert!(msg.contains(spec), "{spec}: {msg}");
         }
-    }
-
-    #[test]
-    fn the_default_context_is_the_trained_one_unless_memory_bounds_it() {
-        let path = hub::ensure_model("smollm2-135m").unwrap();
-        let gguf = open_gguf(&path).unwrap();
-        let slots = |n: usize| 2 * n;
-        let plenty = context_choice_within(&gguf, None, KvType::F16, slots, Some(1 << 40));
-        assert_eq!(
-            plenty.unwrap(),
-            ContextChoice {
-                n_ctx: 8192,
-                bound: ContextBound::Trained
-            }
-        );
-        // Room for a context of 2048 (and a little more, not a whole 256 step).
-        let need = |n: usize| {
-            MemoryEstimate::for_model(&gguf, slots(n), KvType::F16)
-                .unwrap()
-                .total
-        };
-        let available = need(2048) + (need(2304) - need(2048)) / 2;
-        let bounded =
-            context_choice_within(&gguf, None, KvType::F16, slots, Some(available)).unwrap();
-        assert_eq!(bounded.n_ctx, 2048, "{bounded:?}");
-        assert!(matches!(
-            bounded.bound,
-            ContextBound::Memory { trained: 8192, .. }
-        ));
-        assert!(
-            bounded.describe().contains("bounded by memory"),
-            "{}",
-            bounded.describe()
-        );
-        let asked = context_choice_within(&gguf, Some(1000), KvType::F16, slots, Some(1)).unwrap();
-        assert_eq!(asked.n_ctx, 1000);
-        let too_long = context_choice_within(&gguf, Some(9000), KvType::F16, slots, None);
-        assert!(
-            too_long
-                .unwrap_err()
-                .to_string()
-                .contains("trained context of 8192")
-        );
     }
 
     #[test]

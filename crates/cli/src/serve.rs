@@ -105,9 +105,9 @@ pub struct ServeArgs {
 pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
     let path = load::resolve_model_path(&args.model.model)?;
     let name = load::display_name(&args.model.model, &path);
-    let gguf = load::open_gguf(&path)?;
+    let gguf = runtime::load::open_gguf(&path)?;
     let kv_type: model::KvType = args.model.kv_type.into();
-    let mut opts = server::ModelOptions {
+    let mut opts = runtime::ModelOptions {
         name: name.clone(),
         aliases: args.alias.clone(),
         threads: args.model.threads(),
@@ -121,13 +121,13 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
     };
     // The default context: the trained one, bounded by the memory of the KV pool the
     // engine will allocate for it.
-    let choice = load::context_choice(&gguf, args.model.ctx_size, kv_type, |n| {
+    let choice = runtime::load::context_choice(&gguf, args.model.ctx_size, kv_type, |n| {
         opts.kv_pool_tokens(n)
     })?;
     let n_ctx = choice.n_ctx;
     opts.ctx_size = Some(n_ctx);
-    load::check_memory(&gguf, n_ctx, kv_type)?;
-    // The CPU's ServedModel::load unless a GPU was asked for or `auto` may find one, or a
+    runtime::load::check_memory(&gguf, n_ctx, kv_type)?;
+    // The CPU's Runtime::open unless a GPU was asked for or `auto` may find one, or a
     // DSpark support file comes with the model: then device::backend loads it (and says
     // where it runs).
     let on_gpu_maybe = match args.model.device {
@@ -148,7 +148,7 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
     let unusable = disk_cache_args::unusable(&gguf);
     opts.disk_cache = args.disk_cache.config(&path, unusable, true)?;
     if args.spec.enabled() {
-        let tokenizer = load::load_tokenizer(&gguf)?;
+        let tokenizer = runtime::load::load_tokenizer(&gguf)?;
         let n_vocab = match &loaded {
             Some(l) => l.n_vocab,
             None => {
@@ -167,8 +167,8 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
     }
     drop(gguf);
     let served = match loaded {
-        Some(l) => server::ServedModel::load_with_backend(&path, &opts, l.backend, &l.device_name),
-        None => server::ServedModel::load(&path, &opts),
+        Some(l) => runtime::Runtime::open_with_backend(&path, &opts, l.backend, &l.device_name),
+        None => runtime::Runtime::open(&path, &opts),
     };
     let model = Arc::new(served.with_context(|| format!("loading {}", path.display()))?);
     if let Some(line) = disk_cache_args::status_line(model.engine()) {

@@ -99,17 +99,17 @@ pub fn run(
     let max_seqs = args.max_seqs.map_or(largest, |n| n as usize);
     let path = load::resolve_model_path(&setup.model)?;
     let name = load::display_name(&setup.model, &path);
-    let gguf = load::open_gguf(&path)?;
-    let n_ctx = load::context_length(&gguf, None)?;
-    load::check_memory(&gguf, n_ctx, model::KvType::default())?;
+    let gguf = runtime::load::open_gguf(&path)?;
+    let n_ctx = runtime::load::context_length(&gguf, None)?;
+    runtime::load::check_memory(&gguf, n_ctx, model::KvType::default())?;
     drop(gguf);
-    let mut opts = server::ModelOptions::new(name.clone());
+    let mut opts = runtime::ModelOptions::new(name.clone());
     opts.threads = setup.threads;
     opts.ctx_size = Some(n_ctx);
     opts.max_seqs = max_seqs;
     opts.queue_capacity = largest.max(64);
     let model = Arc::new(
-        server::ServedModel::load(&path, &opts)
+        runtime::Runtime::open(&path, &opts)
             .with_context(|| format!("loading {}", path.display()))?,
     );
     let server = server::BackgroundServer::start(

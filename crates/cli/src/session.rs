@@ -8,6 +8,7 @@ use anyhow::{Context, bail};
 use chat::ChatTemplate;
 use clap::Args;
 use engine::{Engine, EngineConfig, Event, FinishReason, GenerateRequest, Timings};
+use runtime::Runtime;
 use text::Tokenizer;
 
 use crate::args::{ModelArgs, SamplingArgs, StopArgs};
@@ -51,16 +52,13 @@ impl PromptArgs {
     }
 }
 
-/// A model, its tokenizer and chat template, and the engine running it.
+/// A model, its tokenizer and chat template, and the engine running it: a
+/// [`Runtime`] for one conversation at a time.
 pub struct Session {
     /// Display name of the model.
     pub name: String,
-    /// The model's tokenizer.
-    pub tokenizer: Arc<Tokenizer>,
-    /// The chat template, when the model has one.
-    pub template: Option<ChatTemplate>,
-    /// The engine.
-    pub engine: Engine,
+    /// The running model (engine, tokenizer, chat template, grammar environment).
+    pub runtime: Runtime,
     /// The DSpark block drafter, when `--dspark` gave one (its counters).
     pub dspark: Option<Arc<spec::DsparkDraft>>,
 }
@@ -93,17 +91,16 @@ impl Session {
     ) -> anyhow::Result<Session> {
         let path = load::resolve_model_path(&args.model)?;
         let name = load::display_name(&args.model, &path);
-        let gguf = load::open_gguf(&path)?;
-        let tokenizer = Arc::new(load::load_tokenizer(&gguf)?);
-        let template = load::chat_template(&gguf, &tokenizer)?;
-        if need_template && template.is_none() {
+        let gguf = runtime::load::open_gguf(&path)?;
+        if need_template && !runtime::load::has_chat_template(&gguf) {
             return Err(load::no_template_error(&name));
         }
         let dspark_path = spec.and_then(|s| s.dspark.as_deref());
         // One sequence: the KV cache holds the context (plus a spare block).
-        let choice = load::context_choice(&gguf, args.ctx_size, args.kv_type.into(), |n| {
-            n + backend_cpu::DEFAULT_BLOCK_SIZE
-        })?;
+        let choice =
+            runtime::load::context_choice(&gguf, args.ctx_size, args.kv_type.into(), |n| {
+                n + backend_cpu::DEFAULT_BLOCK_SIZE
+            })?;
         if args.ctx_size.is_none() {
             eprintln!("{name}: {}", choice.describe());
         }
@@ -116,47 +113,62 @@ impl Session {
             n_ctx,
             n_vocab,
             dspark,
-            device_name: _,
+            device_name,
         } = crate::device::backend(&gguf, args, &name, dspark_path)?;
         let block = backend_cpu::DEFAULT_BLOCK_SIZE;
-        let cfg = EngineConfig {
+        let mut opts = runtime::ModelOptions {
+            threads: args.threads(),
+            ctx_size: Some(n_ctx),
             max_seqs: 1,
+            queue_capacity: EngineConfig::default().queue_capacity,
             // Room for the whole context plus one spare block, so a new turn of a chat can
             // be admitted while the previous turn's blocks are still in the prefix cache.
-            kv_tokens: n_ctx + block,
-            context_len: n_ctx,
-            disk_cache: match disk {
-                Some(d) => {
-                    let unusable = crate::disk_cache_args::unusable(&gguf);
-                    d.config(&path, unusable, false)?
-                }
-                None => None,
-            },
-            ..EngineConfig::default()
+            kv_tokens: Some(n_ctx + block),
+            kv_type: args.kv_type.into(),
+            ..runtime::ModelOptions::new(name.clone())
         };
-        let cfg = match spec {
-            Some(s) => EngineConfig {
-                spec: s.engine_spec(&tokenizer, n_vocab, args, cfg.kv_tokens, dspark.clone())?,
-                ..cfg
-            },
-            None => cfg,
+        opts.disk_cache = match disk {
+            Some(d) => {
+                let unusable = crate::disk_cache_args::unusable(&gguf);
+                d.config(&path, unusable, false)?
+            }
+            None => None,
         };
-        let engine =
-            Engine::start(backend, tokenizer.clone(), cfg).context("starting the engine")?;
+        if let Some(s) = spec {
+            let tokenizer = runtime::load::load_tokenizer(&gguf)?;
+            let kv_tokens = opts.kv_pool_tokens(n_ctx);
+            opts.spec = s.engine_spec(&tokenizer, n_vocab, args, kv_tokens, dspark.clone())?;
+        }
+        drop(gguf);
+        let runtime = Runtime::open_with_backend(&path, &opts, backend, &device_name)?;
+        let engine = runtime.engine();
         if let Some(d) = disk
             && d.dir.is_some()
             && let engine::DiskCacheState::Unavailable(_) = engine.disk_cache_state()
-            && let Some(line) = crate::disk_cache_args::status_line(&engine)
+            && let Some(line) = crate::disk_cache_args::status_line(engine)
         {
             eprintln!("{line}");
         }
         Ok(Session {
             name,
-            tokenizer,
-            template,
-            engine,
+            runtime,
             dspark,
         })
+    }
+
+    /// The model's tokenizer.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        self.runtime.tokenizer()
+    }
+
+    /// The chat template, when the model has one.
+    pub fn template(&self) -> Option<&ChatTemplate> {
+        self.runtime.template()
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine {
+        self.runtime.engine()
     }
 
     /// The prompt tokens for `args`: a raw prompt, or one user message (after an optional
@@ -164,7 +176,7 @@ impl Session {
     pub fn prompt_tokens(&self, args: &PromptArgs) -> anyhow::Result<Vec<u32>> {
         let text = args.text()?;
         if !args.chat {
-            return Ok(prompt::raw_prompt_tokens(&self.tokenizer, &text));
+            return Ok(prompt::raw_prompt_tokens(self.tokenizer(), &text));
         }
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
@@ -176,10 +188,10 @@ impl Session {
 
     /// The prompt tokens of a conversation, with the generation prompt.
     pub fn chat_tokens(&self, messages: &[chat::Message]) -> anyhow::Result<Vec<u32>> {
-        let Some(template) = &self.template else {
+        let Some(template) = self.template() else {
             return Err(load::no_template_error(&self.name));
         };
-        prompt::chat_prompt_tokens(template, &self.tokenizer, messages)
+        prompt::chat_prompt_tokens(template, self.tokenizer(), messages)
     }
 
     /// Runs one request, calling `on_token` for every generated token as it arrives.
@@ -189,7 +201,7 @@ impl Session {
         mut on_token: impl FnMut(&TokenEvent) -> anyhow::Result<()>,
     ) -> anyhow::Result<Generation> {
         let prompt_tokens = request.prompt.len();
-        let handle = self.engine.submit(request)?;
+        let handle = self.engine().submit(request)?;
         let mut tokens = Vec::new();
         let mut logprobs = Vec::new();
         let mut text = String::new();

@@ -127,14 +127,19 @@ impl SpecArgs {
             Some(name) => {
                 let path = load::resolve_model_path(name)?;
                 let display = load::display_name(name, &path);
-                let gguf = load::open_gguf(&path)?;
-                let dtok = load::load_tokenizer(&gguf)?;
+                let gguf = runtime::load::open_gguf(&path)?;
+                let dtok = runtime::load::load_tokenizer(&gguf)?;
                 let dargs = ModelArgs {
                     model: name.clone(),
                     ..model.clone()
                 };
-                let dmodel = load::load_model(&gguf, &dargs)
-                    .with_context(|| format!("loading the draft model {display}"))?;
+                let dmodel = runtime::load::load_model(
+                    &gguf,
+                    dargs.threads(),
+                    dargs.ctx_size,
+                    dargs.kv_type.into(),
+                )
+                .with_context(|| format!("loading the draft model {display}"))?;
                 Some(DraftModel::new(
                     display,
                     Arc::new(dmodel),

@@ -116,8 +116,8 @@ fn load_model(
 ) -> anyhow::Result<(Arc<Model>, Tokenizer, String)> {
     let path = load::resolve_model_path(name)?;
     let display = load::display_name(name, &path);
-    let gguf = load::open_gguf(&path)?;
-    let tok = load::load_tokenizer(&gguf)?;
+    let gguf = runtime::load::open_gguf(&path)?;
+    let tok = runtime::load::load_tokenizer(&gguf)?;
     let opts = LoadOptions {
         threads,
         n_ctx: Some(n_ctx),

@@ -37,7 +37,7 @@ pub struct SynthArgs {
 /// Runs `lockstep synth`.
 pub fn run(args: &SynthArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let path = load::resolve_model_path(&args.like)?;
-    let gguf = load::open_gguf(&path)?;
+    let gguf = runtime::load::open_gguf(&path)?;
     let spec = spec_from_gguf(&gguf).with_context(|| format!("reading {}", path.display()))?;
     let t0 = Instant::now();
     if args.skeleton {

@@ -12,7 +12,7 @@
 //! Anthropic's body `{"type": "error", "error": {"type", "message"}}` ([`error_bodies`]).
 //!
 //! `thinking` (`enabled` or `adaptive`) renders the prompt in thinking mode when the served
-//! model has one ([`crate::runtime::ServedModel::thinks`]: its template reads
+//! model has one ([`runtime::Runtime::thinks`]: its template reads
 //! `enable_thinking`, or DeepSeek V4): the reasoning segment `<think>…</think>` then comes
 //! back as a `thinking` block before the answer (`thinking_delta` events when streaming;
 //! its `signature` is empty). Other models ignore it. `metadata` is ignored;
@@ -218,7 +218,7 @@ pub fn prepare(state: &AppState, req: &MessagesRequest) -> Result<Job, ApiError>
             format!("temperature must be between 0 and 1, got {t}"),
         ));
     }
-    let sampling = request::sampling_params(req, model.engine.n_vocab())?;
+    let sampling = request::sampling_params(req, model.engine().n_vocab())?;
     let max_tokens = request::max_tokens("max_tokens", Some(req.max_tokens))?;
     let stop = stop_sequences(req.stop_sequences.as_deref().unwrap_or(&[]))?;
     let setup = tool_setup(req.tools.as_deref(), req.tool_choice.as_ref())?;
@@ -245,9 +245,15 @@ pub fn prepare(state: &AppState, req: &MessagesRequest) -> Result<Job, ApiError>
             code: Some("context_length_exceeded"),
         });
     }
-    let constraint =
-        request::constraint_plan(model, &state.grammars, Some(&setup), None, "tools", "tools")
-            .map_err(input_schema_names)?;
+    let constraint = request::constraint_plan(
+        model,
+        &state.grammars,
+        Some(&setup),
+        None,
+        &prompt,
+        ("tools", "tools"),
+    )
+    .map_err(input_schema_names)?;
     Ok(Job {
         prompt,
         sampling,
@@ -265,7 +271,7 @@ pub fn prepare(state: &AppState, req: &MessagesRequest) -> Result<Job, ApiError>
 /// The prompt tokens, rendered in thinking mode when `thinking`; with whether the prompt
 /// opened the reasoning segment itself (it ends with `<think>`).
 fn prompt(
-    model: &crate::runtime::ServedModel,
+    model: &runtime::Runtime,
     messages: &[Message],
     setup: &ToolSetup,
     thinking: bool,
@@ -312,7 +318,7 @@ fn stop_sequences(stop: &[String]) -> Result<Vec<String>, ApiError> {
 }
 
 /// `thinking`: `{"type": "enabled", "budget_tokens": N}` and `{"type": "adaptive"}` turn
-/// thinking on (for a model that thinks: see [`crate::runtime::ServedModel::thinks`]),
+/// thinking on (for a model that thinks: see [`runtime::Runtime::thinks`]),
 /// `{"type": "disabled"}` or none leave it off; anything else is a 400.
 fn check_thinking(thinking: Option<&Value>) -> Result<bool, ApiError> {
     let Some(t) = thinking.filter(|t| !t.is_null()) else {

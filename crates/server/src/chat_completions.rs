@@ -35,7 +35,7 @@ struct Meta {
 pub fn prepare(state: &AppState, req: &ChatCompletionRequest) -> Result<Job, ApiError> {
     let model = &state.model;
     let n = request::choices(req.n)?;
-    let sampling = request::sampling_params(req, model.engine.n_vocab())?;
+    let sampling = request::sampling_params(req, model.engine().n_vocab())?;
     let max_tokens = match req.max_completion_tokens {
         Some(v) => request::max_tokens("max_completion_tokens", Some(v))?,
         None => request::max_tokens("max_tokens", req.max_tokens)?,
@@ -74,8 +74,8 @@ pub fn prepare(state: &AppState, req: &ChatCompletionRequest) -> Result<Job, Api
         &state.grammars,
         Some(&setup),
         format,
-        "tools",
-        "response_format",
+        &prompt,
+        ("tools", "response_format"),
     )?;
     Ok(Job {
         prompt,

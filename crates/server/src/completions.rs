@@ -23,11 +23,11 @@ const MAX_LOGPROBS: u32 = 20;
 /// Prepares a completion request; returns the job and the prompt text (for `echo`).
 pub fn prepare(state: &AppState, req: &CompletionRequest) -> Result<(Job, String), ApiError> {
     let model = &state.model;
-    let tok = &model.tokenizer;
+    let tok = model.tokenizer();
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid("suffix", "suffix is not supported"));
     }
-    let n_vocab = model.engine.n_vocab();
+    let n_vocab = model.engine().n_vocab();
     let (prompt, text) = match &req.prompt {
         PromptSpec::Text(t) => (tok.encode(t, text::EncodeOptions::raw_prompt()), t.clone()),
         PromptSpec::TextBatch(v) => match v.as_slice() {

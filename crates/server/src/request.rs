@@ -10,10 +10,10 @@ use grammar::Constraint;
 use serde_json::Value;
 
 use crate::api::{ResponseFormat, SamplingFields};
-use crate::constraint::{ConstraintPlan, GrammarCache};
 use crate::error::ApiError;
-use crate::runtime::ServedModel;
 use crate::tools::{CustomFormat, ToolKind, ToolMode, ToolSetup, ToolSpec};
+use runtime::Runtime;
+use runtime::constraint::{ConstraintPlan, GrammarCache};
 
 /// Most choices per request.
 pub const MAX_N: u32 = 16;
@@ -54,7 +54,7 @@ impl Job {
     }
 
     /// The engine requests, one per choice.
-    pub fn requests(&self, model: &ServedModel) -> Vec<GenerateRequest> {
+    pub fn requests(&self, model: &Runtime) -> Vec<GenerateRequest> {
         (0..self.n)
             .map(|i| {
                 let mut sampling = self.sampling.clone();
@@ -67,7 +67,7 @@ impl Job {
                 req.constraint = self
                     .constraint
                     .as_ref()
-                    .map(|c| c.instantiate(&model.token_env));
+                    .map(|c| c.instantiate(model.token_env()));
                 req
             })
             .collect()
@@ -393,15 +393,20 @@ pub fn tool_mode(choice: Option<&Value>, has_tools: bool) -> Result<ToolMode, Ap
 
 /// Compiles the grammars of the tools one by one (so an error names the tool), then the
 /// constraint of the request: the envelope grammar for `required`/named, a lazy one for
-/// `auto`, or the response format alone.
+/// `auto`, or the response format alone. `prompt` is the rendered chat prompt: a model
+/// that thinks first keeps its think block free and the constraint applies after
+/// `</think>` ([`Runtime::constrain`], the rule `lockstep run` follows too).
 pub fn constraint_plan(
-    model: &ServedModel,
+    model: &Runtime,
     cache: &GrammarCache,
     tools: Option<&ToolSetup>,
     format: Option<Constraint>,
-    tools_param: &str,
-    format_param: &str,
+    prompt: &[u32],
+    params: (&str, &str),
 ) -> Result<Option<ConstraintPlan>, ApiError> {
+    let (tools_param, format_param) = params;
+    let think = |c: Constraint| model.constrain(c, prompt);
+    let format = format.map(think);
     let compile = |c: &Constraint, param: &str| {
         cache
             .compile(c)
@@ -440,7 +445,7 @@ pub fn constraint_plan(
             },
         }
     }
-    let calls = setup.calls_lark(model.tool_format.as_ref())?;
+    let calls = setup.calls_lark(model.tool_format())?;
     let grammar_err = |e: grammar::GrammarError| {
         ApiError::invalid(
             tools_param,
@@ -450,7 +455,7 @@ pub fn constraint_plan(
     match &setup.mode {
         ToolMode::Required | ToolMode::Named(_) => {
             let c = cache
-                .compile(&Constraint::lark(format!("start: calls\n{calls}")))
+                .compile(&think(Constraint::lark(format!("start: calls\n{calls}"))))
                 .map_err(grammar_err)?;
             Ok(Some(ConstraintPlan::Grammar(c)))
         }
@@ -458,7 +463,7 @@ pub fn constraint_plan(
             Some(grammar::ConstraintSource::JsonSchema(schema)) => {
                 let lark = format!("start: answer | calls\nanswer: %json {schema}\n{calls}");
                 let c = cache
-                    .compile(&Constraint::lark(lark))
+                    .compile(&think(Constraint::lark(lark)))
                     .map_err(grammar_err)?;
                 Ok(Some(ConstraintPlan::Grammar(c)))
             }
@@ -467,7 +472,7 @@ pub fn constraint_plan(
                     "start: answer | calls\nanswer: %json {{\"type\": \"object\"}}\n{calls}"
                 );
                 let c = cache
-                    .compile(&Constraint::lark(lark))
+                    .compile(&think(Constraint::lark(lark)))
                     .map_err(grammar_err)?;
                 Ok(Some(ConstraintPlan::Grammar(c)))
             }
@@ -476,7 +481,7 @@ pub fn constraint_plan(
                     .compile(&Constraint::lark(format!("start: calls\n{calls}")))
                     .map_err(grammar_err)?;
                 Ok(Some(ConstraintPlan::LazyTools {
-                    trigger: model.tool_format.start_marker().to_string(),
+                    trigger: model.tool_format().start_marker().to_string(),
                     calls: c,
                 }))
             }
@@ -559,7 +564,7 @@ pub fn check_roles(messages: &[Message]) -> Result<(), ApiError> {
 
 /// Renders a conversation (with the tools when active) into prompt tokens.
 pub fn chat_prompt(
-    model: &ServedModel,
+    model: &Runtime,
     messages: &[Message],
     tools: Option<&ToolSetup>,
 ) -> Result<Vec<u32>, ApiError> {
@@ -569,12 +574,12 @@ pub fn chat_prompt(
 /// [`chat_prompt`] with extra template variables (`enable_thinking`), returning the
 /// rendered text with the tokens.
 pub fn chat_prompt_with(
-    model: &ServedModel,
+    model: &Runtime,
     messages: &[Message],
     tools: Option<&ToolSetup>,
     extra: serde_json::Map<String, Value>,
-) -> Result<crate::prompt::ChatPrompt, ApiError> {
-    let prompter = model.prompter.as_ref().ok_or_else(|| {
+) -> Result<runtime::prompt::ChatPrompt, ApiError> {
+    let prompter = model.prompter().ok_or_else(|| {
         ApiError::bad_request(format!(
             "the model {} has no chat template (it is a base model); use /v1/completions",
             model.name()
@@ -585,13 +590,13 @@ pub fn chat_prompt_with(
     }
     let active = tools.filter(|t| t.active());
     let template_tools = active
-        .filter(|_| model.template_has_tools)
+        .filter(|_| model.template_has_tools())
         .map(ToolSetup::template_tools);
     let mut msgs: Vec<Message> = messages.to_vec();
     if let Some(setup) = active
-        && !model.template_has_tools
+        && !model.template_has_tools()
     {
-        let note = setup.system_note(model.tool_format.as_ref());
+        let note = setup.system_note(model.tool_format());
         match msgs.first_mut() {
             Some(first) if first.role == "system" => {
                 let old = match &first.content {
@@ -609,6 +614,6 @@ pub fn chat_prompt_with(
         }
     }
     prompter
-        .prompt_with(&model.tokenizer, &msgs, template_tools.as_deref(), extra)
+        .prompt_with(model.tokenizer(), &msgs, template_tools.as_deref(), extra)
         .map_err(|e| ApiError::invalid("messages", e.to_string()))
 }

@@ -251,10 +251,7 @@ fn prepare(state: &AppState, req: &ResponsesRequest) -> Result<(Job, Vec<Message
         }
         None => Vec::new(),
     };
-    history.extend(input_messages(
-        req.input.as_ref(),
-        model.tool_format.as_ref(),
-    )?);
+    history.extend(input_messages(req.input.as_ref(), model.tool_format())?);
     if history.is_empty() {
         return Err(ApiError::invalid("input", "input must not be empty"));
     }
@@ -279,12 +276,12 @@ fn prepare(state: &AppState, req: &ResponsesRequest) -> Result<(Job, Vec<Message
         &state.grammars,
         Some(&setup),
         format,
-        "tools",
-        "text.format",
+        &prompt,
+        ("tools", "text.format"),
     )?;
     let job = Job {
         prompt,
-        sampling: request::sampling_params(req, model.engine.n_vocab())?,
+        sampling: request::sampling_params(req, model.engine().n_vocab())?,
         n: 1,
         max_tokens: request::max_tokens("max_output_tokens", req.max_output_tokens)?,
         stop: Vec::new(),
@@ -680,7 +677,7 @@ impl Builder {
                         },
                     ),
                     Item::Custom { name, input, .. } => {
-                        let format = state.model.tool_format.as_ref();
+                        let format = state.model.tool_format();
                         let envelope = format!(
                             "{}{input}\n{}",
                             crate::tools::custom_header(format, name),

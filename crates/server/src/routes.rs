@@ -50,7 +50,7 @@ pub fn router(state: Shared) -> Router {
 }
 
 async fn health(State(state): State<Shared>) -> Json<Value> {
-    let m = state.model.engine.metrics();
+    let m = state.model.engine().metrics();
     Json(json!({
         "status": "ok",
         "model": state.model.name(),
@@ -61,9 +61,13 @@ async fn health(State(state): State<Shared>) -> Json<Value> {
 }
 
 async fn metrics(State(state): State<Shared>) -> Response {
-    let body = state
-        .metrics
-        .render(&state.model.engine.metrics(), state.model.spec_setup());
+    let body = state.metrics.render(
+        &state.model.engine().metrics(),
+        crate::metrics::SpecSetup {
+            enabled: state.model.speculates(),
+            draft_model: state.model.drafts_with_a_model(),
+        },
+    );
     (
         [(
             header::CONTENT_TYPE,

@@ -11,8 +11,8 @@ use tokio::sync::mpsc;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::request::Job;
-use crate::runtime::ServedModel;
 use crate::tools::{OutputEvent, OutputParser};
+use runtime::Runtime;
 
 /// One generated token's log-probability data.
 #[derive(Debug, Clone, PartialEq)]
@@ -112,7 +112,7 @@ pub struct Run {
     pending: std::collections::VecDeque<RunEvent>,
     open: usize,
     want_logprobs: bool,
-    model: Arc<ServedModel>,
+    model: Arc<Runtime>,
     metrics: Arc<Metrics>,
 }
 
@@ -124,18 +124,14 @@ impl std::fmt::Debug for Run {
 
 impl Run {
     /// Submits every choice of `job`, all or none (a refused group queues nothing). Must be called inside the tokio runtime.
-    pub fn start(
-        model: Arc<ServedModel>,
-        metrics: Arc<Metrics>,
-        job: &Job,
-    ) -> Result<Run, ApiError> {
+    pub fn start(model: Arc<Runtime>, metrics: Arc<Metrics>, job: &Job) -> Result<Run, ApiError> {
         Run::start_with(model, metrics, job, false)
     }
 
     /// [`Run::start`], with plain decoding for every choice when `plain` (the request's
     /// `speculation: false` on a server that speculates).
     pub fn start_with(
-        model: Arc<ServedModel>,
+        model: Arc<Runtime>,
         metrics: Arc<Metrics>,
         job: &Job,
         plain: bool,
@@ -144,7 +140,7 @@ impl Run {
         for r in &mut requests {
             r.no_spec |= plain;
         }
-        let handles = model.engine.submit_group(requests)?;
+        let handles = model.engine().submit_group(requests)?;
         let (tx, rx) = mpsc::channel(1024);
         for (choice, handle) in handles.into_iter().enumerate() {
             let tx = tx.clone();
@@ -160,9 +156,7 @@ impl Run {
         }
         let parsers = (0..job.n)
             .map(|_| match &job.tools {
-                Some(setup) if setup.active() => {
-                    OutputParser::tools(model.tool_format.as_ref(), setup)
-                }
+                Some(setup) if setup.active() => OutputParser::tools(model.tool_format(), setup),
                 _ => OutputParser::plain(),
             })
             .collect();
@@ -217,7 +211,7 @@ impl Run {
                 ..
             } => {
                 if self.want_logprobs {
-                    let tok = &self.model.tokenizer;
+                    let tok = self.model.tokenizer();
                     let piece = |id: u32| {
                         let bytes = tok.token_bytes(id).unwrap_or(&[]).to_vec();
                         (String::from_utf8_lossy(&bytes).into_owned(), bytes)

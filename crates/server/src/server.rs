@@ -7,8 +7,8 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 
 use crate::routes::router;
-use crate::runtime::ServedModel;
 use crate::state::{AppState, ServerConfig};
+use runtime::Runtime;
 
 /// A bound server, ready to serve.
 #[derive(Debug)]
@@ -21,7 +21,7 @@ impl Server {
     /// Binds `addr` (port 0 picks a free port) for `model`.
     pub async fn bind(
         addr: SocketAddr,
-        model: Arc<ServedModel>,
+        model: Arc<Runtime>,
         config: ServerConfig,
     ) -> std::io::Result<Server> {
         let listener = TcpListener::bind(addr).await?;
@@ -106,7 +106,7 @@ pub async fn shutdown_signal() {
 /// without one, such as the `lockstep serve` command). `on_bound` gets the bound address.
 pub fn serve_blocking(
     addr: SocketAddr,
-    model: Arc<ServedModel>,
+    model: Arc<Runtime>,
     config: ServerConfig,
     on_bound: impl FnOnce(SocketAddr),
 ) -> std::io::Result<()> {
@@ -135,7 +135,7 @@ impl BackgroundServer {
     /// Binds `addr` (port 0 picks a free port) and starts serving `model`.
     pub fn start(
         addr: SocketAddr,
-        model: Arc<ServedModel>,
+        model: Arc<Runtime>,
         config: ServerConfig,
     ) -> std::io::Result<BackgroundServer> {
         let runtime = tokio::runtime::Builder::new_multi_thread()

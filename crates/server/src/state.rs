@@ -5,11 +5,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::constraint::GrammarCache;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::responses::ResponseStore;
-use crate::runtime::ServedModel;
+use runtime::Runtime;
+use runtime::constraint::GrammarCache;
 
 /// Server settings that are not about the model.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,7 +50,7 @@ impl Default for ServerConfig {
 #[derive(Debug)]
 pub struct AppState {
     /// The served model.
-    pub model: Arc<ServedModel>,
+    pub model: Arc<Runtime>,
     /// Counters.
     pub metrics: Arc<Metrics>,
     /// Compiled grammars.
@@ -65,8 +65,8 @@ pub struct AppState {
 
 impl AppState {
     /// State for `model` with `config`.
-    pub fn new(model: Arc<ServedModel>, config: ServerConfig) -> AppState {
-        let grammars = GrammarCache::new(Arc::clone(&model.token_env), 64);
+    pub fn new(model: Arc<Runtime>, config: ServerConfig) -> AppState {
+        let grammars = GrammarCache::new(Arc::clone(model.token_env()), 64);
         AppState {
             responses: ResponseStore::new(config.response_store_capacity),
             model,

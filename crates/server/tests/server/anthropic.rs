@@ -271,7 +271,7 @@ fn thinker() -> &'static TestServer {
         opts.ctx_size = Some(1024);
         opts.kv_tokens = Some(4096);
         opts.threads = Some(1);
-        let model = std::sync::Arc::new(lockstep_server::ServedModel::load(&path, &opts).unwrap());
+        let model = std::sync::Arc::new(lockstep_server::Runtime::open(&path, &opts).unwrap());
         assert!(model.thinks());
         spawn(model, ServerConfig::default())
     })

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
-use lockstep_server::{ModelOptions, ServedModel, Server, ServerConfig};
+use lockstep_server::{ModelOptions, Runtime, Server, ServerConfig};
 use serde_json::Value;
 
 /// A running test server.
@@ -18,7 +18,7 @@ impl TestServer {
     }
 }
 
-fn load(name: &str, max_seqs: usize, queue: usize) -> Arc<ServedModel> {
+fn load(name: &str, max_seqs: usize, queue: usize) -> Arc<Runtime> {
     load_with(name, max_seqs, queue, engine::SpecConfig::default())
 }
 
@@ -28,8 +28,8 @@ pub fn load_with(
     max_seqs: usize,
     queue: usize,
     spec: engine::SpecConfig,
-) -> Arc<ServedModel> {
-    let path = hub::ensure_model(name).expect("model available");
+) -> Arc<Runtime> {
+    let path = runtime::load::ensure_model(name).expect("model available");
     let mut opts = ModelOptions::new(name);
     opts.spec = spec;
     opts.max_seqs = max_seqs;
@@ -38,11 +38,11 @@ pub fn load_with(
     opts.kv_tokens = Some(16_384);
     // Two engines share the 2-core machine: one forward thread each avoids oversubscription.
     opts.threads = Some(1);
-    Arc::new(ServedModel::load(&path, &opts).expect("model loads"))
+    Arc::new(Runtime::open(&path, &opts).expect("model loads"))
 }
 
 /// Serves `model` with `config` on a background runtime for the rest of the process.
-pub fn spawn(model: Arc<ServedModel>, config: ServerConfig) -> TestServer {
+pub fn spawn(model: Arc<Runtime>, config: ServerConfig) -> TestServer {
     let (tx, rx) = std::sync::mpsc::channel();
     let m = model;
     std::thread::spawn(move || {
@@ -67,16 +67,16 @@ pub fn spawn(model: Arc<ServedModel>, config: ServerConfig) -> TestServer {
     TestServer { addr }
 }
 
-static SMOL_MODEL: OnceLock<Arc<ServedModel>> = OnceLock::new();
-static QWEN_MODEL: OnceLock<Arc<ServedModel>> = OnceLock::new();
+static SMOL_MODEL: OnceLock<Arc<Runtime>> = OnceLock::new();
+static QWEN_MODEL: OnceLock<Arc<Runtime>> = OnceLock::new();
 static SMOL: OnceLock<TestServer> = OnceLock::new();
 static QWEN: OnceLock<TestServer> = OnceLock::new();
 
-pub fn smol_model() -> Arc<ServedModel> {
+pub fn smol_model() -> Arc<Runtime> {
     Arc::clone(SMOL_MODEL.get_or_init(|| load("smollm2-135m", 16, 64)))
 }
 
-pub fn qwen_model() -> Arc<ServedModel> {
+pub fn qwen_model() -> Arc<Runtime> {
     Arc::clone(QWEN_MODEL.get_or_init(|| load("qwen2.5-coder-0.5b", 8, 64)))
 }
 

@@ -118,8 +118,8 @@ async fn a_strict_server_answers_only_its_name_and_aliases_which_models_lists() 
         opts.ctx_size = Some(512);
         opts.kv_tokens = Some(2048);
         opts.threads = Some(1);
-        let path = hub::ensure_model("smollm2-135m").unwrap();
-        let model = std::sync::Arc::new(lockstep_server::ServedModel::load(&path, &opts).unwrap());
+        let path = runtime::load::ensure_model("smollm2-135m").unwrap();
+        let model = std::sync::Arc::new(lockstep_server::Runtime::open(&path, &opts).unwrap());
         spawn(
             model,
             ServerConfig {
@@ -291,8 +291,8 @@ async fn a_full_queue_is_429() {
     opts.ctx_size = Some(512);
     opts.kv_tokens = Some(2048);
     opts.threads = Some(1);
-    let path = hub::ensure_model("smollm2-135m").unwrap();
-    let model = std::sync::Arc::new(lockstep_server::ServedModel::load(&path, &opts).unwrap());
+    let path = runtime::load::ensure_model("smollm2-135m").unwrap();
+    let model = std::sync::Arc::new(lockstep_server::Runtime::open(&path, &opts).unwrap());
     let server = spawn(model, ServerConfig::default());
     let (s, b) = post(
         &server,

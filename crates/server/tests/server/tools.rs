@@ -204,7 +204,7 @@ async fn a_tool_result_conversation_renders_and_answers() {
 fn the_auto_constraint_is_free_text_until_the_envelope_opens_then_forces_it() {
     use lockstep_server::tools::{ToolMode, ToolSetup};
     let model = crate::common::qwen_model();
-    let cache = lockstep_server::constraint::GrammarCache::new(model.token_env().clone(), 4);
+    let cache = runtime::constraint::GrammarCache::new(model.token_env().clone(), 4);
     let specs = lockstep_server::request::parse_tools(&[weather_tool()], "tools").unwrap();
     let setup = ToolSetup {
         tools: specs,
@@ -216,8 +216,8 @@ fn the_auto_constraint_is_free_text_until_the_envelope_opens_then_forces_it() {
         &cache,
         Some(&setup),
         None,
-        "tools",
-        "response_format",
+        &[],
+        ("tools", "response_format"),
     )
     .unwrap()
     .expect("a lazy plan");

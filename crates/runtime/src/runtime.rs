@@ -1,4 +1,4 @@
-//! The served model: the engine with its tokenizer, chat template, tool-call format and
+//! A running model: the engine with its tokenizer, chat template, tool-call format and
 //! grammar token environment, plus the names clients may use for it.
 
 use std::path::Path;
@@ -6,17 +6,15 @@ use std::sync::Arc;
 
 use chat::{ChatTemplate, ToolCallFormat};
 use engine::{Deepseek4Backend, Engine, EngineConfig, ForwardBackend, ModelBackend, SpecConfig};
-use grammar::TokenEnv;
+use grammar::{Constraint, TokenEnv};
 use sha2::{Digest, Sha256};
 use text::Tokenizer;
 
-use crate::metrics::SpecSetup;
+use crate::LoadError;
+use crate::load::{self, DEFAULT_CTX};
 use crate::prompt::ChatPrompter;
 
-/// Context length used when none is given (capped at the trained context).
-pub const DEFAULT_CTX: usize = 4096;
-
-/// How to load and run the served model.
+/// How to load and run a model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelOptions {
     /// The name the model is served under (`smollm2-135m`, or a file stem).
@@ -25,7 +23,8 @@ pub struct ModelOptions {
     pub aliases: Vec<String>,
     /// Threads for the forward pass (`None` = one per core).
     pub threads: Option<usize>,
-    /// Context length (`None` = [`DEFAULT_CTX`] capped at the trained context).
+    /// Context length (`None` = [`DEFAULT_CTX`](crate::load::DEFAULT_CTX) capped at the
+    /// trained context).
     pub ctx_size: Option<usize>,
     /// Sequences running at once.
     pub max_seqs: usize,
@@ -69,57 +68,27 @@ impl ModelOptions {
     }
 }
 
-/// Why the model could not be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    /// The GGUF file could not be opened or read.
-    #[error("opening {path}: {source}")]
-    Gguf {
-        /// The file.
-        path: String,
-        /// The reader's error.
-        source: gguf::GgufError,
-    },
-    /// The tokenizer metadata is unusable.
-    #[error("reading the tokenizer: {0}")]
-    Tokenizer(#[from] text::TextError),
-    /// The model could not be loaded.
-    #[error("loading the model: {0}")]
-    Model(#[from] model::ModelError),
-    /// The engine did not start.
-    #[error("starting the engine: {0}")]
-    Engine(#[from] engine::EngineError),
-    /// The chat template does not compile.
-    #[error("compiling the chat template: {0}")]
-    Template(#[from] chat::ChatError),
-    /// The grammar token environment could not be built.
-    #[error("building the grammar token environment: {0}")]
-    Grammar(#[from] grammar::GrammarError),
-    /// An option is out of range.
-    #[error("{0}")]
-    Options(String),
-}
-
-/// The model this server serves and everything derived from it.
-pub struct ServedModel {
-    pub(crate) engine: Engine,
-    pub(crate) tokenizer: Arc<Tokenizer>,
-    pub(crate) prompter: Option<ChatPrompter>,
-    pub(crate) tool_format: Box<dyn ToolCallFormat>,
+/// A running model and everything derived from it.
+pub struct Runtime {
+    engine: Engine,
+    tokenizer: Arc<Tokenizer>,
+    prompter: Option<ChatPrompter>,
+    tool_format: Box<dyn ToolCallFormat>,
     /// Whether the template itself renders `tools` (otherwise they go into a system note).
-    pub(crate) template_has_tools: bool,
-    pub(crate) token_env: Arc<TokenEnv>,
+    template_has_tools: bool,
+    token_env: Arc<TokenEnv>,
     name: String,
     aliases: Vec<String>,
     listed_aliases: Vec<String>,
     fingerprint: String,
     created: u64,
-    spec: SpecSetup,
+    speculates: bool,
+    draft_model: bool,
 }
 
-impl std::fmt::Debug for ServedModel {
+impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServedModel")
+        f.debug_struct("Runtime")
             .field("name", &self.name)
             .field("aliases", &self.aliases)
             .field("fingerprint", &self.fingerprint)
@@ -128,41 +97,37 @@ impl std::fmt::Debug for ServedModel {
     }
 }
 
-impl ServedModel {
+impl Runtime {
     /// Loads the GGUF at `path` on the CPU and starts the engine.
-    pub fn load(path: &Path, opts: &ModelOptions) -> Result<ServedModel, LoadError> {
-        ServedModel::load_on(path, opts, None)
+    pub fn open(path: &Path, opts: &ModelOptions) -> Result<Runtime, LoadError> {
+        Runtime::open_on(path, opts, None)
     }
 
-    /// Like [`ServedModel::load`], but the engine runs on `backend` (a model the caller
+    /// Like [`Runtime::open`], but the engine runs on `backend` (a model the caller
     /// loaded from the same file, on another device) named `backend_name` in the
     /// fingerprint. Its context must hold the served context.
-    pub fn load_with_backend(
+    pub fn open_with_backend(
         path: &Path,
         opts: &ModelOptions,
         backend: Box<dyn ForwardBackend>,
         backend_name: &str,
-    ) -> Result<ServedModel, LoadError> {
-        ServedModel::load_on(path, opts, Some((backend, backend_name)))
+    ) -> Result<Runtime, LoadError> {
+        Runtime::open_on(path, opts, Some((backend, backend_name)))
     }
 
-    fn load_on(
+    fn open_on(
         path: &Path,
         opts: &ModelOptions,
         given: Option<(Box<dyn ForwardBackend>, &str)>,
-    ) -> Result<ServedModel, LoadError> {
+    ) -> Result<Runtime, LoadError> {
         if opts.max_seqs == 0 || opts.queue_capacity == 0 {
             return Err(LoadError::Options(
                 "--max-seqs and the queue capacity must be at least 1".into(),
             ));
         }
-        let file = gguf::GgufFile::open(path).map_err(|source| LoadError::Gguf {
-            path: path.display().to_string(),
-            source,
-        })?;
-        let file = Arc::new(file);
-        let tokenizer = Arc::new(Tokenizer::from_gguf(&file)?);
-        let trained = trained_context(&file);
+        let file = load::open_gguf(path)?;
+        let tokenizer = Arc::new(load::load_tokenizer(&file)?);
+        let trained = load::trained_context(&file);
         let n_ctx = match (opts.ctx_size, trained) {
             (Some(0), _) => return Err(LoadError::Options("--ctx-size must be at least 1".into())),
             (Some(n), Some(t)) if n > t => {
@@ -174,7 +139,7 @@ impl ServedModel {
             (None, Some(t)) => t.min(DEFAULT_CTX),
             (None, None) => DEFAULT_CTX,
         };
-        let template = chat_template(&file, &tokenizer)?;
+        let template = load::chat_template(&file, &tokenizer)?;
         let load_opts = model::LoadOptions {
             threads: opts.threads,
             kv_type: opts.kv_type,
@@ -190,7 +155,7 @@ impl ServedModel {
                 }
                 (b, name.to_string())
             }
-            None if file.architecture().ok() == Some("deepseek4") => {
+            None if load::is_deepseek4(&file) => {
                 let model = model::Deepseek4::load(Arc::clone(&file), &load_opts)?;
                 (
                     Box::new(Deepseek4Backend::new(Arc::new(model))),
@@ -215,7 +180,8 @@ impl ServedModel {
             ..EngineConfig::default()
         };
         let engine = Engine::start(backend, Arc::clone(&tokenizer), cfg)?;
-        let token_env = TokenEnv::with_logit_width(Arc::clone(&tokenizer), engine.n_vocab())?;
+        let token_env = TokenEnv::with_logit_width(Arc::clone(&tokenizer), engine.n_vocab())
+            .map_err(LoadError::Grammar)?;
         let (tool_format, template_has_tools) = match &template {
             Some(t) => match chat::detect_format(t.source()) {
                 Some(f) => (f, t.source().contains("tools")),
@@ -240,7 +206,7 @@ impl ServedModel {
         {
             aliases.push(stem);
         }
-        Ok(ServedModel {
+        Ok(Runtime {
             engine,
             tokenizer,
             prompter,
@@ -252,10 +218,8 @@ impl ServedModel {
             listed_aliases: opts.aliases.clone(),
             fingerprint,
             created,
-            spec: SpecSetup {
-                enabled: opts.spec.is_on(),
-                draft_model: opts.spec.is_on() && opts.spec.drafters.draft_model.is_some(),
-            },
+            speculates: opts.spec.is_on(),
+            draft_model: opts.spec.is_on() && opts.spec.drafters.draft_model.is_some(),
         })
     }
 
@@ -302,12 +266,12 @@ impl ServedModel {
 
     /// Whether requests speculate (the engine's speculation is on).
     pub fn speculates(&self) -> bool {
-        self.spec.enabled
+        self.speculates
     }
 
-    /// How requests speculate (for `/metrics`).
-    pub fn spec_setup(&self) -> SpecSetup {
-        self.spec
+    /// Whether requests speculate with a draft model.
+    pub fn drafts_with_a_model(&self) -> bool {
+        self.draft_model
     }
 
     /// The engine (metrics, submission).
@@ -323,6 +287,35 @@ impl ServedModel {
     /// The grammar token environment (logit width of the engine).
     pub fn token_env(&self) -> &Arc<TokenEnv> {
         &self.token_env
+    }
+
+    /// The chat template, when the model has one (DeepSeek V4's built-in one for a
+    /// DeepSeek V4 file without a template).
+    pub fn template(&self) -> Option<&ChatTemplate> {
+        self.prompter.as_ref().map(ChatPrompter::template)
+    }
+
+    /// The chat prompter (control tokens only from the template), when the model has a
+    /// chat template.
+    pub fn prompter(&self) -> Option<&ChatPrompter> {
+        self.prompter.as_ref()
+    }
+
+    /// The tool-call format of the template (Hermes when it does not say).
+    pub fn tool_format(&self) -> &dyn ToolCallFormat {
+        self.tool_format.as_ref()
+    }
+
+    /// Whether the template itself renders `tools` (otherwise a front end puts them into
+    /// a system note).
+    pub fn template_has_tools(&self) -> bool {
+        self.template_has_tools
+    }
+
+    /// The constraint plan's think-block rule for a chat prompt of this model (see
+    /// [`crate::constraint::think_rule`]): `prompt` is the rendered prompt's tokens.
+    pub fn constrain(&self, constraint: Constraint, prompt: &[u32]) -> Constraint {
+        crate::constraint::think_rule(constraint, self.template(), &self.tokenizer, prompt)
     }
 }
 
@@ -348,37 +341,4 @@ fn model_hash(name: &str, path: &Path, size: u64) -> String {
         .take(8)
         .map(|b| format!("{b:02x}"))
         .collect()
-}
-
-fn trained_context(file: &gguf::GgufFile) -> Option<usize> {
-    let arch = file.architecture().ok()?;
-    let key = format!("{arch}.context_length");
-    let n = file
-        .get_u64(&key)
-        .ok()
-        .or_else(|| file.get_u32(&key).ok().map(u64::from))?;
-    usize::try_from(n).ok()
-}
-
-fn chat_template(
-    file: &gguf::GgufFile,
-    tokenizer: &Tokenizer,
-) -> Result<Option<ChatTemplate>, LoadError> {
-    let Some(source) = file.get("tokenizer.chat_template").and_then(|v| v.as_str()) else {
-        // DeepSeek ships V4's chat encoding as Python, not Jinja: use the built-in one.
-        if file.architecture().ok() == Some("deepseek4") {
-            return Ok(Some(ChatTemplate::deepseek_v4()));
-        }
-        return Ok(None);
-    };
-    let text_of = |id: Option<u32>| {
-        id.and_then(|id| tokenizer.token_text(id))
-            .unwrap_or("")
-            .to_string()
-    };
-    Ok(Some(ChatTemplate::new(
-        source,
-        &text_of(tokenizer.bos_id()),
-        &text_of(tokenizer.eos_id()),
-    )?))
 }

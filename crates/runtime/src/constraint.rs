@@ -1,4 +1,6 @@
-//! Structured-output constraints for the engine: grammar matchers wrapped as
+//! Structured-output constraints for the engine: the think-block rule every front end
+//! applies ([`think_rule`]: a model that thinks first keeps its `<think>…</think>` block
+//! free, the constraint applies after `</think>`), grammar matchers wrapped as
 //! [`engine::TokenConstraint`], the lazy tool-call constraint (free text until the model
 //! opens a tool-call envelope, then the envelope grammar), and a small cache of compiled
 //! grammars so repeated requests (agents resend the same tools every turn) compile once.
@@ -6,8 +8,70 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
+use chat::ChatTemplate;
 use engine::{TokenConstraint, TokenMask};
 use grammar::{CompiledConstraint, Constraint, GrammarLimits, GrammarMatcher, TokenEnv};
+use text::Tokenizer;
+
+/// Where a chat reply's reasoning segment stands, as the rendered prompt shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reasoning {
+    /// The model does not think first (or the template turned thinking off).
+    None,
+    /// The model opens a `<think>…</think>` block before its answer.
+    Block,
+    /// The prompt ends with `<think>`: the output starts inside the thoughts.
+    Opened,
+}
+
+/// How a chat reply begins for a model whose template is `template_source`, given the
+/// rendered prompt text: templates that know `<think>` make the model think first,
+/// unless the generation prompt already closed an (empty) block — thinking turned off —
+/// or opened one.
+pub fn reasoning_segment(template_source: &str, prompt_text: &str) -> Reasoning {
+    if !template_source.contains("<think>") {
+        return Reasoning::None;
+    }
+    let tail = prompt_text.trim_end();
+    if tail.ends_with("<think>") {
+        Reasoning::Opened
+    } else if tail.ends_with("</think>") {
+        Reasoning::None
+    } else {
+        Reasoning::Block
+    }
+}
+
+/// The think-block rule of the constraint plan, for a chat prompt (`prompt`: its tokens)
+/// rendered through `template`: a model that thinks first keeps its reasoning segment
+/// free and `constraint` applies after `</think>` (see [`reasoning_segment`]). Without a
+/// template, or for a model that does not think, `constraint` is returned as it is.
+pub fn think_rule(
+    constraint: Constraint,
+    template: Option<&ChatTemplate>,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+) -> Constraint {
+    let Some(template) = template else {
+        return constraint;
+    };
+    match reasoning_segment(template.source(), &prompt_tail_text(tokenizer, prompt)) {
+        Reasoning::None => constraint,
+        Reasoning::Block => constraint.with_think(true),
+        Reasoning::Opened => constraint.with_think_opened(),
+    }
+}
+
+/// The text of the prompt's last tokens (enough to see how the generation prompt ends),
+/// special tokens spelled as their text.
+fn prompt_tail_text(tokenizer: &Tokenizer, prompt: &[u32]) -> String {
+    let from = prompt.len().saturating_sub(16);
+    let mut bytes = Vec::new();
+    for &t in prompt.get(from..).unwrap_or_default() {
+        bytes.extend_from_slice(tokenizer.token_bytes(t).unwrap_or_default());
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}
 
 /// How each choice of a request gets its constraint.
 #[derive(Clone)]
@@ -237,5 +301,28 @@ impl GrammarCache {
             entries.push_back((key, compiled.clone()));
         }
         Ok(compiled)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasoning_segment_follows_the_generation_prompt() {
+        let plain = "{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}";
+        let thinking =
+            "{{ '<think>' }}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        let prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+        assert_eq!(reasoning_segment(plain, prompt), Reasoning::None);
+        assert_eq!(reasoning_segment(thinking, prompt), Reasoning::Block);
+        assert_eq!(
+            reasoning_segment(thinking, &format!("{prompt}<think>\n")),
+            Reasoning::Opened
+        );
+        assert_eq!(
+            reasoning_segment(thinking, &format!("{prompt}<think>\n\n</think>\n\n")),
+            Reasoning::None
+        );
     }
 }

@@ -1,0 +1,159 @@
+//! The crate graph of ARCHITECTURE.md ("Crate graph") holds: `cargo metadata` gives each
+//! workspace crate's normal and build dependencies, and no crate reaches, directly or
+//! through others, a crate its "never depends on" line names; the server's own
+//! `Cargo.toml` names none of the crates only the runtime may assemble a model from.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+
+use serde_json::Value;
+
+/// Crate → the crates it must never reach, transitively (names without `lockstep-`).
+const NEVER: &[(&str, &[&str])] = &[
+    ("gguf", &["*"]),
+    ("quant", &["*"]),
+    ("hub", &["*"]),
+    ("chat", &["*"]),
+    ("sampling", &["*"]),
+    ("backend-cpu", &["*"]),
+    (
+        "text",
+        &["model", "quant", "hub", "chat", "engine", "server"],
+    ),
+    ("grammar", &["model", "engine", "server", "runtime", "cli"]),
+    (
+        "model",
+        &["text", "chat", "sampling", "grammar", "engine", "server"],
+    ),
+    (
+        "spec",
+        &["engine", "server", "runtime", "cli", "backend-cuda"],
+    ),
+    (
+        "engine",
+        &["server", "runtime", "cli", "backend-cuda", "hub", "chat"],
+    ),
+    ("runtime", &["server", "cli", "backend-cuda"]),
+    ("server", &["cli", "backend-cuda"]),
+    ("backend-cuda", &["server", "runtime", "cli", "hub", "chat"]),
+];
+
+/// Crate → crates its own `Cargo.toml` must not name (they may be reached through others).
+const NEVER_DIRECT: &[(&str, &[&str])] = &[(
+    "server",
+    &[
+        "model",
+        "quant",
+        "gguf",
+        "hub",
+        "backend-cpu",
+        "backend-cuda",
+    ],
+)];
+
+/// The workspace's crates and their direct normal/build dependencies on each other.
+fn graph() -> BTreeMap<String, BTreeSet<String>> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo metadata runs");
+    assert!(
+        out.status.success(),
+        "cargo metadata failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: Value = serde_json::from_slice(&out.stdout).expect("cargo metadata is JSON");
+    let packages = meta["packages"].as_array().expect("packages");
+    let short = |name: &str| name.strip_prefix("lockstep-").unwrap_or(name).to_string();
+    let members: BTreeSet<String> = packages
+        .iter()
+        .filter_map(|p| p["name"].as_str())
+        .map(short)
+        .collect();
+    packages
+        .iter()
+        .map(|p| {
+            let name = short(p["name"].as_str().expect("package name"));
+            let deps = p["dependencies"]
+                .as_array()
+                .expect("dependencies")
+                .iter()
+                .filter(|d| d["kind"].is_null() || d["kind"] == "build")
+                .filter_map(|d| d["name"].as_str())
+                .map(short)
+                .filter(|d| members.contains(d))
+                .collect();
+            (name, deps)
+        })
+        .collect()
+}
+
+/// Every crate `name` reaches, with one path to each.
+fn reach(g: &BTreeMap<String, BTreeSet<String>>, name: &str) -> BTreeMap<String, Vec<String>> {
+    let mut seen: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut stack = vec![vec![name.to_string()]];
+    while let Some(path) = stack.pop() {
+        let last = path.last().expect("non-empty path").clone();
+        for d in g.get(&last).into_iter().flatten() {
+            if !seen.contains_key(d) {
+                let mut p = path.clone();
+                p.push(d.clone());
+                seen.insert(d.clone(), p.clone());
+                stack.push(p);
+            }
+        }
+    }
+    seen
+}
+
+#[test]
+fn no_crate_reaches_a_crate_its_never_line_names() {
+    let g = graph();
+    let mut broken = Vec::new();
+    for (name, never) in NEVER {
+        assert!(g.contains_key(*name), "no crate {name} in the workspace");
+        for (dep, path) in reach(&g, name) {
+            if never.contains(&"*") || never.contains(&dep.as_str()) {
+                broken.push(path.join(" → "));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "forbidden edges:\n{}", broken.join("\n"));
+}
+
+#[test]
+fn the_server_names_no_model_assembly_crate_itself() {
+    let g = graph();
+    for (name, never) in NEVER_DIRECT {
+        let direct = g.get(*name).expect("the crate exists");
+        let named: Vec<&String> = direct
+            .iter()
+            .filter(|d| never.contains(&d.as_str()))
+            .collect();
+        assert!(named.is_empty(), "{name} depends directly on {named:?}");
+    }
+}
+
+#[test]
+fn the_checker_follows_edges_through_other_crates() {
+    // server names no model crate itself, yet reaches model through runtime: a "never"
+    // rule on it would be caught, with the path.
+    let g = graph();
+    let reached = reach(&g, "server");
+    assert!(
+        reached.contains_key("model"),
+        "server reaches model via the runtime"
+    );
+    assert_eq!(
+        reached.get("runtime").map(Vec::as_slice),
+        Some(&["server".to_string(), "runtime".to_string()][..])
+    );
+}
