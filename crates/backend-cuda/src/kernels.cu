@@ -617,6 +617,205 @@ MATMUL(matmul_q4_k, F_Q4_K)
 MATMUL(matmul_q5_k, F_Q5_K)
 MATMUL(matmul_q6_k, F_Q6_K)
 
+// ---- tensor-core matmul for prefill (k-quants, many rows) -----------------------------
+//
+// The same canonical arithmetic as matmul_q_impl (per output: acc = 0, then for each
+// 256-value block in block order the exact integer sums isum = sum_j sc_j * dot_j and
+// msum = sum_j mn_j * asum_j, then block_step), with the integer dot products dot_j of
+// each sub-block computed by int8 tensor cores (mma m16n8k16 s8 -> s32, exact). A CTA
+// computes a tile of MMQ_M rows by MMQ_N columns; for each weight block it stages the
+// columns' raw blocks and the rows' activation codes in shared memory (cp.async), unpacks
+// the weight codes to signed bytes (Q6_K: code - 32, so no offset term; Q4_K: 0..15), the
+// sub-block scales and mins, and the rows' per-sub-block code sums, then runs the mma.
+// Launch modes as the matmul_* kernels (0: up to three matrices with bias, 1: residual,
+// 2: gate/up pair with SwiGLU); no unordered mode. sb and sa are unused.
+#define MMQ_M 32
+#define MMQ_N 64
+#define MMQ_THREADS 128
+#define MMQ_LD 272  // bytes per code row in shared memory (256 + 16: no bank conflicts)
+
+__device__ __forceinline__ void mma_s8_16(int* c, int a0, int a1, int b0) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
+
+template <int F>
+__device__ __forceinline__ void mmq_impl(const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int n2,
+                                         float* o0, float* o1, float* o2, const float* b0, const float* b1,
+                                         const float* b2, const i8* qs, const float* ad, int k, int m,
+                                         int mode) {
+    const bool PAIR = (mode & 3) == 2;
+    const int BB = Meta<F>::BB, SL = Meta<F>::SL;
+    const int NS = 256 / SL;
+    const int RS = (BB + 30) / 16 * 16;  // room for a block starting anywhere in a 16-byte line
+    const bool MINK = F == F_Q4_K;
+    __shared__ __align__(16) u8 s_raw[MMQ_N * RS];
+    __shared__ __align__(16) i8 s_w[MMQ_N * MMQ_LD];
+    __shared__ __align__(16) i8 s_a[MMQ_M * MMQ_LD];
+    __shared__ short s_sc[MMQ_N * NS];
+    __shared__ short s_mn[MINK ? MMQ_N * NS : 1];
+    __shared__ int s_as[MINK ? MMQ_M * NS : 1];
+    __shared__ float s_d[MMQ_N], s_m[MMQ_N], s_da[MMQ_M];
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int g = lane >> 2, tq = lane & 3;
+    // Which matrix and which column tile.
+    int t = blockIdx.x;
+    int t0 = (n0 + MMQ_N - 1) / MMQ_N, t1 = PAIR ? 0 : (n1 + MMQ_N - 1) / MMQ_N;
+    const u8* w = w0;
+    float* out = o0;
+    const float* bias = b0;
+    int n = n0;
+    if (t >= t0) {
+        t -= t0;
+        if (t < t1) {
+            w = w1; out = o1; bias = b1; n = n1;
+        } else {
+            t -= t1;
+            w = w2; out = o2; bias = b2; n = n2;
+        }
+    }
+    int col0 = t * MMQ_N, r0 = blockIdx.y * MMQ_M;
+    int nb = k / 256;
+    int wr = (warp & 1) * 16, wc = (warp >> 1) * 32;
+    float acc[4][4], accg[4][4];
+    for (int h = 0; h < (PAIR ? 2 : 1); h++) {
+        const u8* wm = h ? w1 : w;
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[a][i] = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            __syncthreads();  // every read of the previous block's shared data is done
+            // Stage: each warp copies every fourth column's block; rows and columns past the
+            // end read the last one (valid memory; their results are never stored).
+            for (int c = warp; c < MMQ_N; c += MMQ_THREADS / 32) {
+                int col = min(col0 + c, n - 1);
+                stage_issue(s_raw + c * RS, wm + ((size_t)col * nb + b) * BB, BB, lane);
+            }
+            for (int i = tid; i < MMQ_M * 16; i += MMQ_THREADS) {
+                int r = i >> 4, ch = i & 15;
+                int row = min(r0 + r, m - 1);
+                cp_async16(s_a + r * MMQ_LD + ch * 16, qs + (size_t)row * k + (size_t)b * 256 + ch * 16);
+            }
+            if (tid < MMQ_M) s_da[tid] = ad[(size_t)min(r0 + tid, m - 1) * nb + b];
+            cp_async_wait_all();
+            __syncthreads();
+            // Unpack the weight codes (signed bytes), scales and mins.
+            for (int i = tid; i < MMQ_N * 64; i += MMQ_THREADS) {
+                int c = i >> 6, q = i & 63;
+                int col = min(col0 + c, n - 1);
+                const u8* blk = s_raw + c * RS + (int)((size_t)(wm + ((size_t)col * nb + b) * BB) & 15);
+                int v = codes4<F>(blk, 4 * q);
+                if (Off<F>::V) v = (int)__vsub4((u32)v, (u32)Off<F>::V * 0x01010101u);
+                *(int*)(s_w + c * MMQ_LD + 4 * q) = v;
+            }
+            for (int i = tid; i < MMQ_N * NS; i += MMQ_THREADS) {
+                int c = i / NS, j = i % NS;
+                int col = min(col0 + c, n - 1);
+                const u8* blk = s_raw + c * RS + (int)((size_t)(wm + ((size_t)col * nb + b) * BB) & 15);
+                int sc, mn;
+                sub_scale<F>(blk, j, &sc, &mn);
+                s_sc[c * NS + j] = (short)sc;
+                if (MINK) s_mn[c * NS + j] = (short)mn;
+                if (j == 0) {
+                    s_d[c] = block_d<F>(blk);
+                    s_m[c] = block_m<F>(blk);
+                }
+            }
+            if (MINK) {
+                for (int i = tid; i < MMQ_M * NS; i += MMQ_THREADS) {
+                    int r = i / NS, j = i % NS;
+                    const int* a4 = (const int*)(s_a + r * MMQ_LD + j * SL);
+                    int s = 0;
+#pragma unroll
+                    for (int u = 0; u < SL / 4; u++) s = __dp4a(0x01010101, a4[u], s);
+                    s_as[r * NS + j] = s;
+                }
+            }
+            __syncthreads();
+            // Exact integer sums of the block.
+            int isum[4][4], msum[4][4];
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) { isum[a][i] = 0; msum[a][i] = 0; }
+#pragma unroll 2
+            for (int j = 0; j < NS; j++) {
+                int dot[4][4];
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) dot[a][i] = 0;
+#pragma unroll
+                for (int kk = 0; kk < SL / 16; kk++) {
+                    int ko = j * SL + kk * 16 + 4 * tq;
+                    int a0 = *(const int*)(s_a + (wr + g) * MMQ_LD + ko);
+                    int a1 = *(const int*)(s_a + (wr + g + 8) * MMQ_LD + ko);
+#pragma unroll
+                    for (int a = 0; a < 4; a++) {
+                        int bv = *(const int*)(s_w + (wc + 8 * a + g) * MMQ_LD + ko);
+                        mma_s8_16(dot[a], a0, a1, bv);
+                    }
+                }
+#pragma unroll
+                for (int a = 0; a < 4; a++) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int c = wc + 8 * a + 2 * tq + (i & 1);
+                        isum[a][i] += (int)s_sc[c * NS + j] * dot[a][i];
+                        if (MINK) msum[a][i] += (int)s_mn[c * NS + j] * s_as[(wr + g + 8 * (i >> 1)) * NS + j];
+                    }
+                }
+            }
+            // The block's float step, in block order.
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int c = wc + 8 * a + 2 * tq + (i & 1);
+                    int r = wr + g + 8 * (i >> 1);
+                    acc[a][i] = block_step<F>(acc[a][i], s_d[c], s_m[c], s_da[r], isum[a][i], msum[a][i]);
+                }
+            }
+        }
+        if (PAIR && h == 0) {
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) accg[a][i] = acc[a][i];
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < 4; a++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int col = col0 + wc + 8 * a + 2 * tq + (i & 1);
+            int row = r0 + wr + g + 8 * (i >> 1);
+            if (row < m && col < n) {
+                float* o = out + (size_t)row * n + col;
+                float v = acc[a][i];
+                if (PAIR) {
+                    v = __fmul_rn(canon_silu(accg[a][i]), v);
+                } else {
+                    if (bias) v = __fadd_rn(v, bias[col]);
+                    if ((mode & 3) == 1) v = __fadd_rn(*o, v);
+                }
+                *o = v;
+            }
+        }
+    }
+}
+
+#define MMQ(name, F) \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) name(MATMUL_ARGS) { \
+        mmq_impl<F>(w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, qs, ad, k, m, mode); \
+    }
+MMQ(mmq_q4_k, F_Q4_K)
+MMQ(mmq_q6_k, F_Q6_K)
+
 // ---- matrix-vector products (one activation row: decode) ------------------------------
 //
 // The same canonical arithmetic as matmul_q_impl with MT = 1 (per weight row: exact integer
