@@ -660,15 +660,16 @@ impl CudaBackend {
             opts,
             graphs: Vec::new(),
             warm_keys: Vec::new(),
-            summaries: std::env::var("LOCKSTEP_CUDA_SUMMARIES").map_or(true, |v| v != "0"),
+            summaries: std::env::var("LOCKSTEP_CUDA_SUMMARIES").is_ok_and(|v| v == "1"),
             summarized: 0,
         }
     }
 
     /// Whether the engine chooses from row summaries made on the device
     /// ([`ForwardBackend::forward_summaries`]: plain greedy rows never cross to the host)
-    /// or reads every logit row back (on by default, or as `LOCKSTEP_CUDA_SUMMARIES=0`
-    /// says). The choices are the same either way.
+    /// or reads every logit row back (off by default until the summary kernels have run
+    /// their oracle tests on a GPU; `LOCKSTEP_CUDA_SUMMARIES=1` turns them on). The choices
+    /// are the same either way.
     pub fn set_summaries(&mut self, on: bool) {
         self.summaries = on;
     }
