@@ -88,19 +88,12 @@ impl CudaBackend {
                  positions"
             )));
         }
-        let free = self.free_blocks();
-        if free == 0 {
-            return Err(BackendError::OutOfBlocks { needed: 1, free });
-        }
+        self.kv_prepare(slot, len, len + bsz)?;
+        let phys = self.seq(slot)?.blocks[len / bsz] as usize;
         let kv = self
             .kv
             .as_mut()
             .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
-        let seq = self.seqs[slot.0 as usize]
-            .as_mut()
-            .ok_or(BackendError::UnknownSlot(slot.0))?;
-        Self::prepare_seq(&self.model.dev, kv, seq, len, len + bsz)?;
-        let phys = seq.blocks[len / bsz] as usize;
         let pb = kv.per_block;
         let dev = &self.model.dev;
         let mut rows = vec![0u16; pb];
@@ -122,9 +115,9 @@ impl CudaBackend {
             }
         }
         if result.is_err() {
-            Self::truncate_seq(kv, seq, len);
+            self.kv_truncate(slot, len);
             return result;
         }
-        dev.sync().map_err(be)
+        self.model.dev.sync().map_err(be)
     }
 }
