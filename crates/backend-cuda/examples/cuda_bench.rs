@@ -4,7 +4,9 @@
 //! cargo run --release -p lockstep-backend-cuda --features cuda --example cuda_bench -- MODEL.gguf [--check-cpu] [--unordered] [--profile] [--ab]
 //! ```
 //!
-//! Prints pp512 and tg128 (tokens/s, medians of 3; tg128 chooses greedily on the device,
+//! Prints pp512 (and again with the tensor-core matmuls off, where the device has them:
+//! time and whether the logits are the same bits) and tg128 (tokens/s, medians of 3;
+//! tg128 chooses greedily on the device,
 //! again with the logits read back and the choice made on the host, and again as the
 //! engine does on CUDA: row summaries made on the device, the greedy token and its logprob
 //! from them on the host, the same tokens checked), with `--ab` both
@@ -55,6 +57,11 @@ fn argmax(l: &[f32]) -> u32 {
 
 /// pp512: one forward of 512 rows, logits of the last (median of 3 after a warm-up).
 fn pp512(b: &mut lockstep_backend_cuda::CudaBackend, prompt: &[u32]) -> f64 {
+    pp512_logits(b, prompt).0
+}
+
+/// [`pp512`] with the last row's logits.
+fn pp512_logits(b: &mut lockstep_backend_cuda::CudaBackend, prompt: &[u32]) -> (f64, Vec<f32>) {
     let mut logits = Vec::new();
     let mut pp = Vec::new();
     for rep in 0..4 {
@@ -69,7 +76,7 @@ fn pp512(b: &mut lockstep_backend_cuda::CudaBackend, prompt: &[u32]) -> f64 {
         }
         b.kv_release(s);
     }
-    median(pp)
+    (median(pp), logits)
 }
 
 /// Where a tg128 step's greedy choice is made.
@@ -183,8 +190,27 @@ fn main() {
         return;
     }
 
-    let pp_s = pp512(&mut b, &prompt);
+    let (pp_s, pp_logits) = pp512_logits(&mut b, &prompt);
     println!("pp512: {:.1} ms, {:.0} tokens/s", pp_s * 1e3, 512.0 / pp_s);
+    let dev = b.model().device();
+    if dev.mma() {
+        // The warp kernels for the same prefill (same bits), then the default again.
+        dev.set_mma(false);
+        let (pp_w, warp_logits) = pp512_logits(&mut b, &prompt);
+        b.model().device().set_mma(true);
+        let (pp_t, _) = pp512_logits(&mut b, &prompt);
+        let same = pp_logits
+            .iter()
+            .map(|v| v.to_bits())
+            .eq(warp_logits.iter().map(|v| v.to_bits()));
+        println!(
+            "pp512 tensor cores vs warp kernels (same run, tensor cores measured again after): \
+             {:.1} / {:.1} ms ({:.2}x); the same logits: {same}",
+            pp_t * 1e3,
+            pp_w * 1e3,
+            pp_w / pp_t
+        );
+    }
     let tg_s = tg128(&mut b);
     let bound = b.model().weight_bytes() as f64 / HBM_BYTES_PER_S;
     println!(

@@ -71,6 +71,9 @@ pub struct Device {
     sm_count: usize,
     smem_optin: usize,
     unordered: std::sync::atomic::AtomicBool,
+    /// Whether prefill matmuls of the formats with a tensor-core kernel use it
+    /// ([`Device::set_mma`]).
+    mma: std::sync::atomic::AtomicBool,
     profile: std::sync::Mutex<Option<Vec<(String, f64)>>>,
 }
 
@@ -135,6 +138,8 @@ const KERNELS: &[&str] = &[
     "matmul_q6_k",
     "matmul_q6_k_m1",
     "matmul_q6_k_m16",
+    "mmq_q4_k",
+    "mmq_q6_k",
     "matmul_float",
     "rms_norm",
     "add_in_place",
@@ -287,6 +292,11 @@ pub fn device_count() -> usize {
     CudaContext::device_count().map_or(0, |n| usize::try_from(n).unwrap_or(0))
 }
 
+/// The tensor-core prefill matmuls' default: on unless `LOCKSTEP_CUDA_MMA=0`.
+fn mma_default() -> bool {
+    std::env::var("LOCKSTEP_CUDA_MMA").map_or(true, |v| v != "0")
+}
+
 /// Compiles [`KERNEL_SOURCE`] with NVRTC for compute capability `cc` and returns the
 /// PTX text (needs the NVRTC library, not a GPU).
 pub fn compile_ptx(cc: (i32, i32)) -> Result<String, CudaError> {
@@ -432,6 +442,7 @@ impl Device {
             sm_count,
             smem_optin,
             unordered: std::sync::atomic::AtomicBool::new(false),
+            mma: std::sync::atomic::AtomicBool::new(cc >= (8, 0) && mma_default()),
             profile: std::sync::Mutex::new(None),
         })
     }
@@ -461,6 +472,23 @@ impl Device {
             .ok()
             .and_then(|mut p| p.as_mut().map(std::mem::take))
             .unwrap_or_default()
+    }
+
+    /// Turns the tensor-core prefill matmuls (`mmq_*`: Q4_K and Q6_K weights over 17 or
+    /// more rows) on or off. They compute the same bits as the other matmul kernels (the
+    /// same exact integer block sums, the same float steps in block order), so this only
+    /// changes speed; on by default on compute capability 8.0 and newer unless
+    /// `LOCKSTEP_CUDA_MMA=0`, and never on below 8.0 (no int8 `mma` instruction there).
+    pub fn set_mma(&self, on: bool) {
+        self.mma.store(
+            on && self.cc >= (8, 0),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    /// Whether the tensor-core prefill matmuls are on ([`Device::set_mma`]).
+    pub fn mma(&self) -> bool {
+        self.mma.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether [`Device::set_unordered_matmul`] is on.

@@ -634,12 +634,20 @@ MATMUL(matmul_q6_k, F_Q6_K)
 #define MMQ_THREADS 128
 #define MMQ_LD 272  // bytes per code row in shared memory (256 + 16: no bank conflicts)
 
+// Fragments (PTX ISA, mma.m16n8k16 with .s8): g = lane / 4, t = lane % 4; a0 holds
+// A[g][4t..4t+3], a1 A[g+8][4t..4t+3], b0 B[4t..4t+3][g] (B stored column by column),
+// c[i] is C[g + 8 (i / 2)][2t + i % 2]. The host launches the mmq kernels only on compute
+// capability 8.0 and newer; older targets compile a trap in their place.
 __device__ __forceinline__ void mma_s8_16(int* c, int a0, int a1, int b0) {
+#if __CUDA_ARCH__ < 800
+    __trap();
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
         "{%0,%1,%2,%3};"
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a0), "r"(a1), "r"(b0));
+#endif
 }
 
 template <int F>

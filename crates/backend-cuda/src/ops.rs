@@ -173,6 +173,25 @@ fn block_geometry(f: Format) -> (usize, usize) {
 }
 
 /// The kernel for a weight format, or an error for formats without a CUDA kernel.
+/// Rows per tensor-core matmul tile (`MMQ_M` in kernels.cu).
+const MMQ_M: usize = 32;
+/// Columns per tensor-core matmul tile (`MMQ_N` in kernels.cu).
+const MMQ_N: usize = 64;
+/// Threads per tensor-core matmul CTA (`MMQ_THREADS` in kernels.cu).
+const MMQ_THREADS: u32 = 128;
+/// The fewest rows a matmul takes the tensor-core kernel for (fewer go to the warp
+/// kernels, which read each weight block once per 16 rows and need no tile padding).
+const MMQ_MIN_ROWS: usize = 17;
+
+/// The tensor-core prefill kernel of a weight format, where there is one.
+fn mmq_kernel(f: Format) -> Option<&'static str> {
+    match f {
+        Format::Q4_K => Some("mmq_q4_k"),
+        Format::Q6_K => Some("mmq_q6_k"),
+        _ => None,
+    }
+}
+
 fn matmul_kernel(f: Format) -> Result<&'static str, CudaError> {
     Ok(match f {
         Format::Q4_0 => "matmul_q4_0",
@@ -386,6 +405,61 @@ impl Device {
                 acts.layout, acts.k, acts.cap, w.format, w.k
             )));
         }
+        let mode = match epi {
+            Epilogue::Store => 0,
+            Epilogue::Accumulate => 1,
+            Epilogue::SwiGlu => 2,
+        } | if self.unordered_matmul() { 4 } else { 0 };
+        let at = |i: usize| ws.get(i);
+        let wp = |i: usize| at(i).map_or(0, |x| self.ptr(&x.0.data, 0));
+        let np = |i: usize| at(i).map_or(0, |x| x.0.n);
+        let op = |i: usize| at(i).map_or(0, |x| x.1);
+        let bp = |i: usize| at(i).and_then(|x| x.2).map_or(0, |b| self.ptr(b, 0));
+        let args = |sb: usize, sa: usize| -> Result<Vec<Arg>, CudaError> {
+            Ok(vec![
+                Arg::Ptr(wp(0)),
+                Arg::Ptr(wp(1)),
+                Arg::Ptr(wp(2)),
+                Arg::I32(i32_of("n", np(0))?),
+                Arg::I32(i32_of("n", np(1))?),
+                Arg::I32(i32_of("n", np(2))?),
+                Arg::Ptr(op(0)),
+                Arg::Ptr(op(1)),
+                Arg::Ptr(op(2)),
+                Arg::Ptr(bp(0)),
+                Arg::Ptr(bp(1)),
+                Arg::Ptr(bp(2)),
+                Arg::Ptr(self.ptr(&acts.qs, 0)),
+                Arg::Ptr(self.ptr(&acts.d, 0)),
+                Arg::I32(i32_of("k", w.k)?),
+                Arg::I32(i32_of("m", m)?),
+                Arg::I32(mode),
+                Arg::I32(i32_of("stage", sb)?),
+                Arg::I32(i32_of("stage", sa)?),
+            ])
+        };
+        let pair = epi == Epilogue::SwiGlu;
+        // Tensor cores for many rows of the formats that have a kernel for them: tiles of
+        // MMQ_M rows by MMQ_N columns, the same bits as the warp kernels below.
+        if let Some(kernel) = mmq_kernel(w.format)
+            .filter(|_| m >= MMQ_MIN_ROWS && self.mma() && !self.unordered_matmul())
+        {
+            let tiles: usize = if pair {
+                w.n.div_ceil(MMQ_N)
+            } else {
+                ws.iter().map(|x| x.0.n.div_ceil(MMQ_N)).sum()
+            };
+            return self.launch(
+                kernel,
+                (
+                    u32::try_from(tiles).unwrap_or(u32::MAX),
+                    u32::try_from(m.div_ceil(MMQ_M)).unwrap_or(u32::MAX),
+                    1,
+                ),
+                (MMQ_THREADS, 1, 1),
+                &args(0, 0)?,
+            );
+        }
         let kernel = matmul_kernel(w.format)?;
         // Row tiling by batch size: 1, 4 or 16 rows per warp (the same arithmetic per row).
         let (name, mt) = match m {
@@ -396,7 +470,6 @@ impl Device {
         let (bb, g) = block_geometry(w.format);
         let nbl = w.k / w.format.block_len();
         let row_bytes = nbl * bb;
-        let pair = epi == Epilogue::SwiGlu;
         let per_warp = if pair { 2 } else { 1 };
         let sb_min = (g * bb + 32).div_ceil(16) * 16;
         // Single rows stage the shared activation row too (codes, then scales), when it
@@ -420,16 +493,6 @@ impl Device {
         } else {
             ws.iter().map(|x| x.0.n).sum()
         };
-        let at = |i: usize| ws.get(i);
-        let wp = |i: usize| at(i).map_or(0, |x| self.ptr(&x.0.data, 0));
-        let np = |i: usize| at(i).map_or(0, |x| x.0.n);
-        let op = |i: usize| at(i).map_or(0, |x| x.1);
-        let bp = |i: usize| at(i).and_then(|x| x.2).map_or(0, |b| self.ptr(b, 0));
-        let mode = match epi {
-            Epilogue::Store => 0,
-            Epilogue::Accumulate => 1,
-            Epilogue::SwiGlu => 2,
-        } | if self.unordered_matmul() { 4 } else { 0 };
         self.launch_smem(
             &name,
             (
@@ -439,27 +502,7 @@ impl Device {
             ),
             ((MM_WARPS * 32) as u32, 1, 1),
             u32::try_from(smem).unwrap_or(u32::MAX),
-            &[
-                Arg::Ptr(wp(0)),
-                Arg::Ptr(wp(1)),
-                Arg::Ptr(wp(2)),
-                Arg::I32(i32_of("n", np(0))?),
-                Arg::I32(i32_of("n", np(1))?),
-                Arg::I32(i32_of("n", np(2))?),
-                Arg::Ptr(op(0)),
-                Arg::Ptr(op(1)),
-                Arg::Ptr(op(2)),
-                Arg::Ptr(bp(0)),
-                Arg::Ptr(bp(1)),
-                Arg::Ptr(bp(2)),
-                Arg::Ptr(self.ptr(&acts.qs, 0)),
-                Arg::Ptr(self.ptr(&acts.d, 0)),
-                Arg::I32(i32_of("k", w.k)?),
-                Arg::I32(i32_of("m", m)?),
-                Arg::I32(mode),
-                Arg::I32(i32_of("stage", sb)?),
-                Arg::I32(i32_of("stage", sa)?),
-            ],
+            &args(sb, sa)?,
         )
     }
 

@@ -130,6 +130,53 @@ fn matmul_matches_cpu_bit_for_bit_over_formats_and_shapes() {
 }
 
 #[test]
+fn tensor_core_matmul_matches_cpu_and_the_warp_kernels() {
+    // Its own device, so switching the tensor-core kernels does not reach other tests.
+    let d = Device::new(0).unwrap_or_else(|e| panic!("these tests need a CUDA GPU: {e}"));
+    d.set_mma(true);
+    assert!(
+        d.mma(),
+        "the tensor-core matmuls need compute capability 8.0 (this device: {:?})",
+        d.compute_capability()
+    );
+    // (n, k, m): from the smallest row count that takes the tensor-core kernel (17) up,
+    // ragged and whole tiles (32 rows by 64 columns), one and many blocks per row.
+    let shapes = [
+        (1, 256, 17),
+        (63, 512, 32),
+        (64, 256, 33),
+        (65, 2304, 40),
+        (130, 1024, 100),
+        (200, 8960, 64),
+        (96, 4096, 512),
+    ];
+    for (fi, format) in [Format::Q4_K, Format::Q6_K].into_iter().enumerate() {
+        for (si, &(n, k, m)) in shapes.iter().enumerate() {
+            let seed = (1000 + fi * 100 + si) as u64;
+            let wf = randv(n * k, seed, 1.0);
+            let mut w = Vec::new();
+            for row in wf.chunks_exact(k) {
+                w.extend(quantize_row(format, row).unwrap());
+            }
+            let x = randv(m * k, seed + 7, 3.0);
+            let mut acts = QuantizedActs::new(format.act_layout(), k).unwrap();
+            acts.quantize_into(&x).unwrap();
+            let mut cpu = vec![0.0f32; m * n];
+            quant::kernels()
+                .matmul(format, &w, n, &acts, &mut cpu)
+                .unwrap();
+            d.set_mma(true);
+            let mma = d.matmul_host(format, &w, n, k, &x).unwrap();
+            d.set_mma(false);
+            let warp = d.matmul_host(format, &w, n, k, &x).unwrap();
+            let what = format!("{format} n {n} k {k} m {m}");
+            assert_bits_eq(&format!("tensor-core matmul {what}"), &mma, &cpu);
+            assert_bits_eq(&format!("warp matmul {what}"), &warp, &cpu);
+        }
+    }
+}
+
+#[test]
 fn matvec_matches_cpu_bit_for_bit_over_formats_shapes_and_prologues() {
     let d = device();
     // (n, k): one row, ragged N, rows of several staging units (k = 8960), many rows per
@@ -421,6 +468,42 @@ fn forward_matches_cpu_model_bit_for_bit() {
         let lg = run_chunks(&mut gpu, sg, 70, &more, 1);
         for (p, (a, b)) in lg.iter().zip(&lc).enumerate() {
             assert_bits_eq(&format!("{tag} decode position {}", 70 + p), a, b);
+        }
+    }
+}
+
+#[test]
+fn prefill_with_tensor_cores_matches_cpu_model_bit_for_bit() {
+    // Chunks of 17 rows and more take the tensor-core matmuls for Q4_K and Q6_K weights:
+    // q/k/v with bias (qwen2), the output projection and down projection accumulating into
+    // the residual, the gate/up pair with SwiGLU, and the Q6_K output head.
+    let cases = [
+        (
+            "qwen2",
+            GgmlType::Q4_K,
+            Some(GgmlType::Q6_K),
+            "mma-qwen-q4k",
+        ),
+        ("llama", GgmlType::Q6_K, None, "mma-llama-q6k-tied"),
+    ];
+    for (arch, mm, head, tag) in cases {
+        let g = tiny_model(arch, mm, head, tag);
+        let mut cpu = cpu_backend(&g);
+        let sc = cpu.kv_new();
+        let toks = tokens(120, 5);
+        let lc = run_chunks(&mut cpu, sc, 0, &toks, 120);
+        for mma in [true, false] {
+            let mut gpu = cuda_backend(&g);
+            gpu.model().device().set_mma(mma);
+            assert_eq!(gpu.model().device().mma(), mma, "{tag}");
+            let sg = gpu.kv_new();
+            // 50 rows, then 70 (a whole and a ragged row tile, over a cached prefix).
+            let mut lg = run_chunks(&mut gpu, sg, 0, &toks[..50], 50);
+            lg.extend(run_chunks(&mut gpu, sg, 50, &toks[50..], 70));
+            for (p, (a, b)) in lg.iter().zip(&lc).enumerate() {
+                assert!(b.iter().all(|v| v.is_finite()), "{tag}: cpu logits finite");
+                assert_bits_eq(&format!("{tag} (tensor cores {mma}) position {p}"), a, b);
+            }
         }
     }
 }
