@@ -79,6 +79,35 @@ fn pp512_logits(b: &mut lockstep_backend_cuda::CudaBackend, prompt: &[u32]) -> (
     (median(pp), logits)
 }
 
+/// Prints profiled launches (graphs off, a wait around each) summed by kernel.
+fn print_profile(what: &str, rec: Vec<(String, f64)>, wall: f64) {
+    let mut by: Vec<(String, f64, usize)> = Vec::new();
+    for (name, dt) in rec {
+        match by.iter_mut().find(|e| e.0 == name) {
+            Some(e) => {
+                e.1 += dt;
+                e.2 += 1;
+            }
+            None => by.push((name, dt, 1)),
+        }
+    }
+    by.sort_by(|a, c| c.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal));
+    let total: f64 = by.iter().map(|e| e.1).sum();
+    println!(
+        "profile of {what} (graphs off, waits around each launch): {:.3} ms in kernels, \
+         {:.3} ms wall",
+        total * 1e3,
+        wall * 1e3
+    );
+    for (name, dt, n) in &by {
+        println!(
+            "  {name:24} {n:4} launches {:8.1} us  ({:.1} us each)",
+            dt * 1e6,
+            dt * 1e6 / *n as f64
+        );
+    }
+}
+
 /// Where a tg128 step's greedy choice is made.
 #[derive(Clone, Copy, PartialEq)]
 enum Choice {
@@ -296,6 +325,18 @@ fn main() {
     }
 
     if profile {
+        // One 512-row prefill, kernel by kernel.
+        let s = b.kv_new();
+        b.kv_prepare(s, 0, 512).expect("prepare");
+        b.model().device().set_profile(true);
+        let t = Instant::now();
+        b.forward(&rows(s, 0, &prompt, false), &mut logits)
+            .expect("forward");
+        let wall = t.elapsed().as_secs_f64();
+        let rec = b.model().device().take_profile();
+        b.model().device().set_profile(false);
+        b.kv_release(s);
+        print_profile("one 512-row prefill", rec, wall);
         for ctx in [64usize, 512] {
             let s = b.kv_new();
             b.kv_prepare(s, 0, ctx).expect("prepare");
@@ -316,31 +357,7 @@ fn main() {
             b.model().device().set_profile(false);
             b.set_graphs(true);
             b.kv_release(s);
-            let mut by: Vec<(String, f64, usize)> = Vec::new();
-            for (name, dt) in rec {
-                match by.iter_mut().find(|e| e.0 == name) {
-                    Some(e) => {
-                        e.1 += dt;
-                        e.2 += 1;
-                    }
-                    None => by.push((name, dt, 1)),
-                }
-            }
-            by.sort_by(|a, c| c.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal));
-            let total: f64 = by.iter().map(|e| e.1).sum();
-            println!(
-                "profile of one decode step at context {ctx} (graphs off, waits around each \
-                 launch): {:.3} ms in kernels, {:.3} ms wall",
-                total * 1e3,
-                wall * 1e3
-            );
-            for (name, dt, n) in &by {
-                println!(
-                    "  {name:24} {n:4} launches {:8.1} us  ({:.1} us each)",
-                    dt * 1e6,
-                    dt * 1e6 / *n as f64
-                );
-            }
+            print_profile(&format!("one decode step at context {ctx}"), rec, wall);
         }
     }
 
