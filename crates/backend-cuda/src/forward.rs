@@ -13,9 +13,9 @@ use crate::ops::{
 };
 use backend_cpu::{BlockAllocator, DEFAULT_BLOCK_SIZE, RopeTable};
 use cudarc::driver::CudaGraph;
-use engine::{BackendError, ForwardBackend, ForwardRow, KvSlot};
 use gguf::GgufFile;
 use model::{Arch, Config};
+use model::{BackendError, Batch, ForwardBackend, ForwardRow, KvSlot};
 use quant::{ActLayout, Format, dequantize_row};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -803,39 +803,9 @@ impl CudaBackend {
         let m = rows.len();
         let e = cfg.n_embd;
         // Validate: consecutive positions per sequence, starting at most at its length.
-        let mut order: Vec<KvSlot> = Vec::new();
-        let mut spans: Vec<(usize, usize)> = Vec::new();
-        for (i, r) in rows.iter().enumerate() {
-            if r.token as usize >= cfg.n_vocab {
-                return Err(BackendError::Other(format!(
-                    "row {i}: token id {} is outside the vocabulary (0..{})",
-                    r.token, cfg.n_vocab
-                )));
-            }
-            if r.pos >= self.model.n_ctx {
-                return Err(BackendError::Other(format!(
-                    "row {i}: position {} is past the context ({})",
-                    r.pos, self.model.n_ctx
-                )));
-            }
-            match order.iter().position(|&s| s == r.slot) {
-                None => {
-                    order.push(r.slot);
-                    spans.push((r.pos, r.pos));
-                }
-                Some(j) => {
-                    if r.pos != spans[j].1 + 1 {
-                        return Err(BackendError::Other(format!(
-                            "row {i}: sequence {} goes from position {} to {}; rows of one \
-                             sequence must be consecutive positions",
-                            r.slot.0, spans[j].1, r.pos
-                        )));
-                    }
-                    spans[j].1 = r.pos;
-                }
-            }
-        }
-        for (&slot, &(first, _)) in order.iter().zip(&spans) {
+        let batch = Batch::from_rows(rows, cfg.n_vocab, self.model.n_ctx)?;
+        let (order, spans) = (&batch.slots, &batch.spans);
+        for (&slot, &(first, _)) in order.iter().zip(spans) {
             let len = self.seq(slot)?.len;
             if first > len {
                 return Err(BackendError::Other(format!(
@@ -850,7 +820,7 @@ impl CudaBackend {
             .kv
             .as_mut()
             .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
-        for (&slot, &(first, last)) in order.iter().zip(&spans) {
+        for (&slot, &(first, last)) in order.iter().zip(spans) {
             let seq = self.seqs[slot.0 as usize]
                 .as_mut()
                 .ok_or(BackendError::UnknownSlot(slot.0))?;
@@ -860,7 +830,7 @@ impl CudaBackend {
         let bsz = kv.bsz;
         let mut tables: Vec<i32> = Vec::new();
         let mut seq_off: Vec<i32> = Vec::with_capacity(order.len());
-        for &slot in &order {
+        for &slot in order {
             seq_off.push(i32_of("table offset", tables.len()).map_err(be)?);
             let seq = self.seqs[slot.0 as usize]
                 .as_ref()
@@ -870,8 +840,8 @@ impl CudaBackend {
         let mut pos = Vec::with_capacity(m);
         let mut phys = Vec::with_capacity(m);
         let mut toff = Vec::with_capacity(m);
-        for r in rows {
-            let j = order.iter().position(|&s| s == r.slot).unwrap_or(0);
+        for (r, br) in rows.iter().zip(&batch.rows) {
+            let j = br.seq;
             let seq = self.seqs[r.slot.0 as usize]
                 .as_ref()
                 .ok_or(BackendError::UnknownSlot(r.slot.0))?;

@@ -20,7 +20,7 @@
 //! are truncated with the state. Without one nothing is captured.
 
 use crate::api::{BackendError, ForwardBackend, ForwardRow, KvSlot};
-use model::{BatchRow, Deepseek4, Deepseek4Scratch, Deepseek4State, ModelError};
+use model::{Batch, Deepseek4, Deepseek4Scratch, Deepseek4State, ModelError};
 use std::sync::Arc;
 
 #[derive(Debug)]
@@ -236,8 +236,11 @@ impl ForwardBackend for Deepseek4Backend {
 
     fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError> {
         logits.clear();
-        let mut order: Vec<KvSlot> = Vec::new();
-        let mut batch: Vec<BatchRow> = Vec::with_capacity(rows.len());
+        let Batch {
+            slots: order,
+            rows: batch,
+            ..
+        } = Batch::from_rows(rows, self.n_vocab(), self.max_context())?;
         for r in rows {
             let reserved = self.slot(r.slot)?.reserved;
             if r.pos >= reserved {
@@ -246,19 +249,6 @@ impl ForwardBackend for Deepseek4Backend {
                     r.pos
                 )));
             }
-            let seq = match order.iter().position(|&s| s == r.slot) {
-                Some(i) => i,
-                None => {
-                    order.push(r.slot);
-                    order.len() - 1
-                }
-            };
-            batch.push(BatchRow {
-                seq,
-                token: r.token,
-                pos: r.pos,
-                wants_logits: r.wants_logits,
-            });
         }
         let mut taken: Vec<Slot> = Vec::with_capacity(order.len());
         for &slot in &order {

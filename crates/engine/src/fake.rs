@@ -250,29 +250,12 @@ impl ForwardBackend for FakeBackend {
         // Same checks and KV steps as the model's forward: per sequence, rows are
         // consecutive and start at most at the cached length; cut back, reserve,
         // copy-on-write, then write every row before any row reads.
-        let mut spans: Vec<(KvSlot, usize, usize)> = Vec::new();
-        for (i, r) in rows.iter().enumerate() {
-            if r.token as usize >= self.n_vocab || r.pos >= self.max_context {
-                return Err(BackendError::Other(format!(
-                    "row {i}: token {} / position {} out of range",
-                    r.token, r.pos
-                )));
-            }
-            match spans.iter_mut().find(|s| s.0 == r.slot) {
-                Some(s) if r.pos == s.2 + 1 => s.2 = r.pos,
-                Some(_) => {
-                    return Err(BackendError::Other(format!(
-                        "row {i}: positions of a sequence must be consecutive"
-                    )));
-                }
-                None => spans.push((r.slot, r.pos, r.pos)),
-            }
-        }
+        let batch = model::Batch::from_rows(rows, self.n_vocab, self.max_context)?;
         let kv = self
             .kv
             .as_mut()
             .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
-        for &(slot, first, last) in &spans {
+        for (&slot, &(first, last)) in batch.slots.iter().zip(&batch.spans) {
             let seq = self.slots.get_mut(slot)?;
             if first > seq.len() {
                 return Err(BackendError::Other(format!(
@@ -313,9 +296,9 @@ impl ForwardBackend for FakeBackend {
             .fetch_add(rows.len() as u64, Ordering::SeqCst);
         self.stats
             .max_seqs_in_forward
-            .fetch_max(spans.len() as u64, Ordering::SeqCst);
+            .fetch_max(batch.slots.len() as u64, Ordering::SeqCst);
         if let Ok(mut b) = self.stats.batches.lock() {
-            b.push(spans.iter().map(|s| s.2 + 1 - s.1).collect());
+            b.push(batch.spans.iter().map(|s| s.1 + 1 - s.0).collect());
         }
         self.note_free();
         Ok(())

@@ -18,7 +18,7 @@
 
 use crate::api::{BackendError, ForwardBackend, ForwardRow, KvSlot};
 use crate::slots::{SlotTable, map_kv_err};
-use model::{BatchRow, ForwardScratch, KvCache, Model, ModelError, SeqKv};
+use model::{Batch, ForwardScratch, KvCache, Model, ModelError, SeqKv};
 use std::sync::Arc;
 
 /// How full one block pool of the KV cache is.
@@ -353,23 +353,11 @@ impl ForwardBackend for ModelBackend {
     fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError> {
         logits.clear();
         // Distinct slots in order of first appearance; rows name them by index.
-        let mut order: Vec<KvSlot> = Vec::new();
-        let mut batch: Vec<BatchRow> = Vec::with_capacity(rows.len());
-        for r in rows {
-            let seq = match order.iter().position(|&s| s == r.slot) {
-                Some(i) => i,
-                None => {
-                    order.push(r.slot);
-                    order.len() - 1
-                }
-            };
-            batch.push(BatchRow {
-                seq,
-                token: r.token,
-                pos: r.pos,
-                wants_logits: r.wants_logits,
-            });
-        }
+        let Batch {
+            slots: order,
+            rows: batch,
+            ..
+        } = Batch::from_rows(rows, self.n_vocab(), self.max_context())?;
         let mut taken: Vec<SeqKv> = Vec::with_capacity(order.len());
         let mut failed = None;
         for &slot in &order {

@@ -39,6 +39,7 @@
 //! `dspark` block drafter), `exec`
 //! (thread-pool matmuls split over N), `memory` (estimates).
 
+mod backend;
 mod config;
 mod deepseek4;
 mod error;
@@ -50,6 +51,7 @@ mod memory;
 mod model;
 mod weights;
 
+pub use backend::{BackendError, Batch, ForwardBackend, ForwardRow, KvSlot, TargetRows};
 pub use backend_cpu::{KvCache, KvType, SeqKv, ThreadPool};
 pub use config::{Arch, Config, RopeScaling, SUPPORTED_ARCHITECTURES};
 pub use deepseek4::{

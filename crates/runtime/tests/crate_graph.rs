@@ -21,10 +21,7 @@ const NEVER: &[(&str, &[&str])] = &[
         &["model", "quant", "hub", "chat", "engine", "server"],
     ),
     ("grammar", &["model", "engine", "server", "runtime", "cli"]),
-    (
-        "model",
-        &["text", "chat", "sampling", "grammar", "engine", "server"],
-    ),
+    ("model", &["text", "chat", "grammar", "engine", "server"]),
     (
         "spec",
         &["engine", "server", "runtime", "cli", "backend-cuda"],
@@ -35,7 +32,12 @@ const NEVER: &[(&str, &[&str])] = &[
     ),
     ("runtime", &["server", "cli", "backend-cuda"]),
     ("server", &["cli", "backend-cuda"]),
-    ("backend-cuda", &["server", "runtime", "cli", "hub", "chat"]),
+    (
+        "backend-cuda",
+        &[
+            "engine", "spec", "grammar", "text", "server", "runtime", "cli", "hub", "chat",
+        ],
+    ),
 ];
 
 /// Crate → crates its own `Cargo.toml` must not name (they may be reached through others).

@@ -72,36 +72,7 @@ impl DrafterKind {
     }
 }
 
-/// The target's captured hidden rows of one sequence (what the DSpark drafter reads): one
-/// row per computed position, i.e. every committed token but the last, whose forward rides
-/// in the next verify block.
-pub trait TargetRows {
-    /// Values per row.
-    fn width(&self) -> usize;
-    /// Positions computed: rows may exist for `0..len()`.
-    fn len(&self) -> usize;
-    /// Whether no position is computed.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// The rows of positions `from..to`, contiguous; `None` when one is not held (older
-    /// rows are released with the target's sliding window).
-    fn rows(&self, from: usize, to: usize) -> Option<&[f32]>;
-}
-
-impl TargetRows for model::Deepseek4State {
-    fn width(&self) -> usize {
-        self.capture_width()
-    }
-
-    fn len(&self) -> usize {
-        model::Deepseek4State::len(self)
-    }
-
-    fn rows(&self, from: usize, to: usize) -> Option<&[f32]> {
-        self.captured(from, to)
-    }
-}
+pub use model::TargetRows;
 
 /// What a drafter knows when it proposes: the committed tokens of one sequence and how the
 /// target chooses.

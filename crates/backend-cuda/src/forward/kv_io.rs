@@ -3,7 +3,7 @@
 //! host memory unchanged, so a restored sequence is exactly the one that computed them.
 
 use super::{CudaBackend, be};
-use engine::{BackendError, ForwardBackend, KvSlot};
+use model::{BackendError, ForwardBackend, KvSlot};
 
 /// Bytes of one f16 element.
 const F16_BYTES: usize = 2;
