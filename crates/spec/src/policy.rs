@@ -137,6 +137,8 @@ pub fn best_k_by(alpha: f64, max: usize, cost_ms: impl Fn(usize) -> f64) -> usiz
 
 /// Most rows per step whose time is kept separately (the verify-cost curve).
 pub const CURVE_ROWS: usize = 65;
+/// The least expected gain over a plain step for which the policy drafts (5%).
+pub const MIN_GAIN: f64 = 0.05;
 /// Steps of a row count measured before its own mean replaces the linear fit.
 const CURVE_MIN_SAMPLES: u32 = 3;
 
@@ -231,9 +233,22 @@ impl CostModel {
     /// The best draft length in `0..=max` for a sequence with per-position acceptance
     /// `alpha` drafting with `kind`: the measured step time of `1 + k` rows plus the
     /// drafting time of `k` tokens, against the tokens expected.
+    /// A draft is only worth it when it is expected to beat plain decoding by at least
+    /// [`MIN_GAIN`] (near the break-even point a draft risks a loss for nothing).
     pub fn best_draft(&self, alpha: f64, max: usize, kind: DrafterKind) -> usize {
         let draft = self.draft_ms(kind);
-        best_k_by(alpha, max, |k| self.step_ms(1 + k) + k as f64 * draft)
+        let cost = |k: usize| self.step_ms(1 + k) + k as f64 * draft;
+        let k = best_k_by(alpha, max, cost);
+        if k == 0 {
+            return 0;
+        }
+        let tokens: f64 = (0..=k).map(|i| alpha.powi(i as i32)).sum();
+        let plain = 1.0 / cost(0).max(1e-9);
+        if tokens / cost(k).max(1e-9) >= plain * (1.0 + MIN_GAIN) {
+            k
+        } else {
+            0
+        }
     }
 
     /// `(a, b)` of the fit `ms = a + b·rows` (b ≥ 0; a ≥ b). Falls back to a mean step
@@ -614,6 +629,10 @@ mod tests {
         // A drafting cost per token moves it down.
         c.observe_draft(DrafterKind::DraftModel, 1, 20_000);
         assert!(c.best_draft(0.6, 8, DrafterKind::DraftModel) < 3);
+        // Near break-even (α = 0.16: one draft row costs 8 ms of 57, expected gain 2%)
+        // the policy does not draft; just above the margin (α = 0.25, +9%) it does.
+        assert_eq!(c.best_draft(0.16, 8, DrafterKind::Ngram), 0);
+        assert!(c.best_draft(0.25, 8, DrafterKind::Ngram) > 0);
         // Prose-like acceptance drafts nothing; near-certain drafts go long.
         assert_eq!(c.best_draft(0.1, 8, DrafterKind::Ngram), 0);
         assert!(c.best_draft(0.98, 8, DrafterKind::Ngram) >= 7);
