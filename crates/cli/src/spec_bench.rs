@@ -463,9 +463,11 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
             None => None,
         };
         let mut plain: Option<(Vec<u32>, f64)> = None;
-        for (dname, spec) in &configs {
-            let mut best: Option<(Vec<u32>, f64, Option<SpecStats>)> = None;
-            for _ in 0..args.repetitions {
+        // Repetitions interleave the drafters (plain, then each speculative set, then
+        // again), so a change in the machine's load hits every row alike.
+        let mut bests: Vec<Option<(Vec<u32>, f64, Option<SpecStats>)>> = vec![None; configs.len()];
+        for _ in 0..args.repetitions {
+            for ((_, spec), best) in configs.iter().zip(bests.iter_mut()) {
                 // A fresh engine per run, with a fresh cross-request index: a repetition
                 // must not draft from an earlier repetition's (or workload's) output.
                 let mut spec = spec.clone();
@@ -493,9 +495,11 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
                 engine.shutdown();
                 let r = r?;
                 if best.as_ref().is_none_or(|b| r.1 > b.1) {
-                    best = Some(r);
+                    *best = Some(r);
                 }
             }
+        }
+        for ((dname, _), best) in configs.iter().zip(bests) {
             let Some((tokens, tps, stats)) = best else {
                 continue;
             };
