@@ -14,6 +14,7 @@ use clap::Args;
 
 use crate::args::{ModelArgs, SamplingArgs, StopArgs};
 use crate::session::{self, Session};
+use crate::spec_args::SpecReport;
 
 /// Arguments of `lockstep chat`.
 #[derive(Debug, Args)]
@@ -26,6 +27,8 @@ pub struct ChatArgs {
     stop: StopArgs,
     #[command(flatten)]
     disk_cache: crate::disk_cache_args::DiskCacheArgs,
+    #[command(flatten)]
+    spec: crate::spec_args::SpecArgs,
 
     /// A system message at the start of the conversation (kept by /reset)
     #[arg(long, value_name = "TEXT")]
@@ -71,7 +74,7 @@ const HELP: &str = "commands: /reset clears the conversation, /exit (or Ctrl-D) 
 
 /// Runs `lockstep chat`, reading lines from `input`.
 pub fn run(args: &ChatArgs, input: &mut dyn BufRead, out: &mut dyn Write) -> anyhow::Result<()> {
-    let session = Session::open_with(&args.model, true, None, Some(&args.disk_cache))?;
+    let session = Session::open_with(&args.model, true, Some(&args.spec), Some(&args.disk_cache))?;
     let interactive = std::io::stdin().is_terminal() && std::io::stdout().is_terminal();
     let seed = args.sampling.seed_or_random();
     let system: Vec<chat::Message> = args
@@ -111,6 +114,12 @@ pub fn run(args: &ChatArgs, input: &mut dyn BufRead, out: &mut dyn Write) -> any
                     Ok(generation) => {
                         if args.verbose {
                             eprintln!("{}", generation.summary(seed));
+                        }
+                        if args.spec.stats {
+                            match &generation.spec {
+                                Some(s) => eprintln!("{}", SpecReport::of(s).line()),
+                                None => eprintln!("spec: off"),
+                            }
                         }
                         history.push(chat::Message::new("assistant", generation.text));
                     }

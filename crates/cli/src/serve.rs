@@ -136,7 +136,10 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
         DeviceArg::Auto => backend_cuda::cuda_built(),
     };
     let dspark = args.spec.dspark.as_deref();
-    let (loaded, spec_draft) = if on_gpu_maybe || dspark.is_some() {
+    // A DeepSeek V4 model loads there too: speculation (on by default) needs its logit
+    // width, which only its own loader reads.
+    let v4 = runtime::load::is_deepseek4(&gguf);
+    let (loaded, spec_draft) = if on_gpu_maybe || dspark.is_some() || v4 {
         let mut margs = args.model.clone();
         margs.ctx_size = Some(n_ctx);
         let loaded = crate::device::backend(&gguf, &margs, &name, dspark)?;

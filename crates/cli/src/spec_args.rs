@@ -21,15 +21,17 @@ use crate::load;
 pub enum SpecModeArg {
     /// Plain decoding
     Off,
-    /// Draft with the chosen drafters (n-gram + grammar fast-forward when none is named)
+    /// Draft with the chosen drafters (the free ones — cross-request suffix index, n-gram,
+    /// grammar fast-forward — when none is named)
     Auto,
 }
 
 /// Speculative decoding flags.
 #[derive(Debug, Clone, Args)]
 pub struct SpecArgs {
-    /// Speculative decoding: off, or auto (default: auto when --draft, --dspark or --ngram is
-    /// given).
+    /// Speculative decoding: auto (the default: the free drafters — cross-request suffix
+    /// index, n-gram, grammar fast-forward — plus --draft/--dspark when given, each turned
+    /// off by the cost model where it does not pay) or off (plain decoding).
     /// The output is bit-identical either way
     #[arg(long = "spec", value_enum, value_name = "MODE")]
     pub spec: Option<SpecModeArg>,
@@ -85,13 +87,9 @@ pub struct SpecArgs {
 }
 
 impl SpecArgs {
-    /// Whether speculation is on.
+    /// Whether speculation is on: always, unless `--spec off`.
     pub fn enabled(&self) -> bool {
-        match self.spec {
-            Some(SpecModeArg::Off) => false,
-            Some(SpecModeArg::Auto) => true,
-            None => self.draft.is_some() || self.ngram.is_some() || self.dspark.is_some(),
-        }
+        self.spec != Some(SpecModeArg::Off)
     }
 
     /// The engine's speculation settings for a target with tokenizer `tok` and logit width
@@ -155,7 +153,7 @@ impl SpecArgs {
                 max_n: usize::from(n),
                 ..NgramConfig::default()
             }),
-            // `--spec auto` alone: the free drafters.
+            // No drafter named (the default): the free drafters.
             None if draft_model.is_none() && dspark.is_none() => Some(NgramConfig::default()),
             None => None,
         };

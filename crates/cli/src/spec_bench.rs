@@ -1,8 +1,11 @@
-//! `lockstep bench --spec`: plain against speculative decoding through the engine, on three
-//! workloads — structured extraction under a JSON Schema (CSV to JSON), code completion and
-//! prose — per drafter (n-gram + grammar fast-forward; the draft model with `--draft`).
-//! Reports decode tokens/s, the speed-up over plain, the speculation counters, and checks
-//! that every speculative output is identical to the plain one.
+//! `lockstep bench --spec`: plain against speculative decoding through the engine, on
+//! structured extraction under a JSON Schema (CSV to JSON), code completion, prose, and an
+//! extraction suite (quoted CSV, log lines, key: value text, an HTML table, nested records,
+//! values to re-format — each under a JSON Schema), per drafter (the default free set:
+//! suffix index + n-gram + grammar fast-forward; n-gram + fast-forward; the draft model
+//! with `--draft`). Reports decode tokens/s, the speed-up over plain, the speculation
+//! counters and the extraction suite's median, and checks that every speculative output is
+//! identical to the plain one.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -15,7 +18,7 @@ use engine::{
 use grammar::{Constraint, GrammarLimits, TokenEnv};
 use model::{LoadOptions, Model};
 use serde::Serialize;
-use spec::{DraftModel, DrafterSet, PolicyConfig};
+use spec::{DraftModel, DrafterSet, PolicyConfig, SuffixIndex};
 use text::{EncodeOptions, Tokenizer};
 
 use crate::load;
@@ -35,12 +38,16 @@ pub struct SpecBenchArgs {
     pub repetitions: u32,
     /// Most drafts per cycle.
     pub max_draft: usize,
+    /// Only these workloads (empty = all; `extraction` = the extraction suite).
+    pub workloads: Vec<String>,
 }
 
 /// One result row.
 #[derive(Debug, Clone, Serialize)]
 pub struct SpecBenchRow {
     workload: &'static str,
+    /// One of the extraction suite.
+    extraction: bool,
     drafter: String,
     tokens: usize,
     tokens_per_second: f64,
@@ -60,13 +67,179 @@ struct Workload {
     name: &'static str,
     prompt: String,
     schema: Option<serde_json::Value>,
+    /// One of the extraction suite.
+    extraction: bool,
+}
+
+/// A Qwen chat prompt: `system`, then the user's `task` and `input`.
+fn chat_prompt(system: &str, task: &str, input: &str) -> String {
+    format!(
+        "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{task}\n{input}<|im_end|>\n\
+         <|im_start|>assistant\n"
+    )
+}
+
+/// An array-of-objects schema: every property required, no others.
+fn records(props: serde_json::Value) -> serde_json::Value {
+    let required: Vec<String> = props
+        .as_object()
+        .map(|o| o.keys().cloned().collect())
+        .unwrap_or_default();
+    serde_json::json!({
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": props,
+            "required": required,
+            "additionalProperties": false
+        }
+    })
+}
+
+/// The extraction suite: six inputs in different shapes, each under a JSON Schema.
+fn extraction_suite() -> Vec<Workload> {
+    use serde_json::json;
+    let sys = "You extract data into JSON exactly as asked.";
+    let csv = "id,name,department,role,salary,start_date\n\
+               1001,\"Okafor, Chidi\",Engineering,senior,98500.50,2019-04-15\n\
+               1002,\"van der Berg, Anneke\",\"Sales, EMEA\",junior,52000.00,2021-11-01\n\
+               1003,\"O'Neil, Patrick\",Support,lead,61250.75,2017-06-30\n\
+               1004,\"Garcia Marquez, Lucia\",Engineering,junior,70100.00,2022-01-10\n\
+               1005,\"Smith, Jo\",\"Finance, Group\",senior,88000.25,2015-09-21\n";
+    let logs = "2024-05-01T12:00:03Z INFO api-gateway GET /v1/users 200 took 12ms\n\
+                2024-05-01T12:00:04Z WARN auth-service token refresh slow took 842ms\n\
+                2024-05-01T12:00:07Z ERROR billing charge failed for order 5531 took 1503ms\n\
+                2024-05-01T12:00:09Z INFO api-gateway POST /v1/orders 201 took 48ms\n\
+                2024-05-01T12:00:12Z DEBUG scheduler job sweep-expired done took 3ms\n";
+    let kv = "Name: Ada Lovelace\nEmail: ada@example.com\nPhone: +44 20 7946 0018\nPlan: premium\nSeats: 12\n\n\
+              Name: Alan Turing\nEmail: alan@example.org\nPhone: +44 161 496 0723\nPlan: team\nSeats: 4\n\n\
+              Name: Grace Hopper\nEmail: grace@example.net\nPhone: +1 202 555 0147\nPlan: free\nSeats: 1\n\n\
+              Name: Katherine Johnson\nEmail: kj@example.com\nPhone: +1 757 555 0199\nPlan: team\nSeats: 7\n";
+    let html = "<table>\n\
+                <tr><th>Product</th><th>SKU</th><th>Price</th><th>In stock</th></tr>\n\
+                <tr><td>Wireless Mouse</td><td>WM-204</td><td>24.99</td><td>yes</td></tr>\n\
+                <tr><td>Mechanical Keyboard</td><td>KB-880</td><td>89.00</td><td>no</td></tr>\n\
+                <tr><td>USB-C Hub 7-in-1</td><td>HB-071</td><td>39.50</td><td>yes</td></tr>\n\
+                <tr><td>27in Monitor Arm</td><td>MA-027</td><td>54.95</td><td>yes</td></tr>\n\
+                <tr><td>Laptop Stand</td><td>LS-110</td><td>29.00</td><td>no</td></tr>\n\
+                </table>\n";
+    let nested = "Order A-1001 (customer: Maria Rossi, maria@example.com)\n\
+                  - 2 x Espresso Beans 1kg @ 18.50\n\
+                  - 1 x Milk Frother @ 34.00\n\
+                  Order A-1002 (customer: Kenji Sato, kenji@example.com)\n\
+                  - 3 x Green Tea 250g @ 7.25\n\
+                  - 1 x Glass Teapot @ 22.90\n\
+                  - 2 x Bamboo Tray @ 12.00\n\
+                  Order A-1003 (customer: Ana Souza, ana@example.com)\n\
+                  - 1 x Pour-Over Kettle @ 45.00\n";
+    let invoices = "Invoice INV-7731 was issued on 3 March 2024 for a total of $1,234.50, due in 30 days.\n\
+                    Invoice INV-7732 was issued on 17 April 2024 for a total of $89.99, due in 14 days.\n\
+                    Invoice INV-7733 was issued on 2 May 2024 for a total of $12,000.00, due in 60 days.\n\
+                    Invoice INV-7734 was issued on 28 June 2024 for a total of $450.10, due in 30 days.\n";
+    let date = json!({"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"});
+    vec![
+        Workload {
+            name: "csv-quoted",
+            prompt: chat_prompt(
+                sys,
+                "Convert this CSV (quoted fields may hold commas) to a JSON array, one object per row:",
+                csv,
+            ),
+            schema: Some(records(json!({
+                "id": {"type": "integer"},
+                "name": {"type": "string"},
+                "department": {"type": "string"},
+                "role": {"enum": ["junior", "senior", "lead"]},
+                "salary": {"type": "number"},
+                "start_date": date.clone()
+            }))),
+            extraction: true,
+        },
+        Workload {
+            name: "log-lines",
+            prompt: chat_prompt(
+                sys,
+                "Turn each log line into a JSON object (timestamp, level, service, message, duration in ms):",
+                logs,
+            ),
+            schema: Some(records(json!({
+                "timestamp": {"type": "string"},
+                "level": {"enum": ["DEBUG", "INFO", "WARN", "ERROR"]},
+                "service": {"type": "string"},
+                "message": {"type": "string"},
+                "duration_ms": {"type": "integer"}
+            }))),
+            extraction: true,
+        },
+        Workload {
+            name: "key-value",
+            prompt: chat_prompt(sys, "Extract one JSON object per customer record:", kv),
+            schema: Some(records(json!({
+                "name": {"type": "string"},
+                "email": {"type": "string"},
+                "phone": {"type": "string"},
+                "plan": {"enum": ["free", "team", "premium"]},
+                "seats": {"type": "integer"}
+            }))),
+            extraction: true,
+        },
+        Workload {
+            name: "html-table",
+            prompt: chat_prompt(sys, "Extract the rows of this HTML table as JSON:", html),
+            schema: Some(records(json!({
+                "product": {"type": "string"},
+                "sku": {"type": "string"},
+                "price": {"type": "number"},
+                "in_stock": {"type": "boolean"}
+            }))),
+            extraction: true,
+        },
+        Workload {
+            name: "nested",
+            prompt: chat_prompt(
+                sys,
+                "Extract the orders as JSON, each with its customer and its line items:",
+                nested,
+            ),
+            schema: Some(records(json!({
+                "order_id": {"type": "string"},
+                "customer": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string"}, "email": {"type": "string"}},
+                    "required": ["name", "email"],
+                    "additionalProperties": false
+                },
+                "items": records(json!({
+                    "quantity": {"type": "integer"},
+                    "product": {"type": "string"},
+                    "unit_price": {"type": "number"}
+                }))
+            }))),
+            extraction: true,
+        },
+        Workload {
+            name: "reformat",
+            prompt: chat_prompt(
+                sys,
+                "Extract the invoices as JSON: dates as YYYY-MM-DD, totals as plain numbers:",
+                invoices,
+            ),
+            schema: Some(records(json!({
+                "invoice": {"type": "string"},
+                "issued": date,
+                "total": {"type": "number"},
+                "due_days": {"type": "integer"}
+            }))),
+            extraction: true,
+        },
+    ]
 }
 
 fn workloads() -> Vec<Workload> {
     let csv = "name,age,city,email\nAda Lovelace,36,London,ada@example.com\n\
                Alan Turing,41,Wilmslow,alan@example.com\nGrace Hopper,85,Arlington,grace@example.com\n\
                Edsger Dijkstra,72,Nuenen,edsger@example.com\nBarbara Liskov,84,Boston,barbara@example.com\n";
-    vec![
+    let mut all = vec![
         Workload {
             name: "structured",
             prompt: format!(
@@ -88,6 +261,7 @@ fn workloads() -> Vec<Workload> {
                     "additionalProperties": false
                 }
             })),
+            extraction: false,
         },
         Workload {
             name: "code",
@@ -98,6 +272,7 @@ fn workloads() -> Vec<Workload> {
                      <|im_start|>assistant\n"
                 .to_string(),
             schema: None,
+            extraction: false,
         },
         Workload {
             name: "prose",
@@ -105,8 +280,52 @@ fn workloads() -> Vec<Workload> {
                      message in a bottle.<|im_end|>\n<|im_start|>assistant\n"
                 .to_string(),
             schema: None,
+            extraction: false,
         },
-    ]
+    ];
+    all.extend(extraction_suite());
+    all
+}
+
+/// The workloads `names` selects (all when empty; `extraction` = the suite); an unknown
+/// name is an error.
+fn selected(names: &[String]) -> anyhow::Result<Vec<Workload>> {
+    let all = workloads();
+    if names.is_empty() {
+        return Ok(all);
+    }
+    for n in names {
+        if n != "extraction" && !all.iter().any(|w| w.name == n) {
+            let known: Vec<&str> = all.iter().map(|w| w.name).collect();
+            bail!(
+                "unknown --spec-workloads entry {n:?} (known: {}, extraction)",
+                known.join(", ")
+            );
+        }
+    }
+    Ok(all
+        .into_iter()
+        .filter(|w| {
+            names
+                .iter()
+                .any(|n| n == w.name || (n == "extraction" && w.extraction))
+        })
+        .collect())
+}
+
+/// The median of `xs` (the mean of the middle two for an even count); `None` when empty.
+fn median(xs: &[f64]) -> Option<f64> {
+    let mut v: Vec<f64> = xs.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    Some(if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    })
 }
 
 fn load_model(
@@ -183,21 +402,18 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
             },
         ),
     ];
-    // The same drafters with the n-gram's prompt cursor in token space only (what the text
-    // cursor buys on extraction).
-    configs.push((
-        "ngram(token cursor)+ff".into(),
-        SpecConfig {
-            policy: policy.clone(),
-            ..SpecConfig::auto(DrafterSet {
-                ngram: Some(spec::NgramConfig {
-                    text_cursor: false,
-                    ..spec::NgramConfig::default()
-                }),
-                ..DrafterSet::free(3)
-            })
-        },
-    ));
+    // What `run`, `chat` and `serve` do by default: the cross-request suffix index (fresh
+    // per engine, so it drafts from the sequence itself here), n-gram, fast-forward.
+    configs.insert(
+        1,
+        (
+            "default (suffix+ngram+ff)".into(),
+            SpecConfig {
+                policy: policy.clone(),
+                ..crate::spec_args::free_spec()
+            },
+        ),
+    );
     if let Some(dm) = &draft {
         configs.push((
             format!("draft {}+ff", dm.name()),
@@ -236,7 +452,7 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
         )?;
     }
     let mut rows = Vec::new();
-    for w in workloads() {
+    for w in selected(&args.workloads)? {
         let prompt = tok.encode(&w.prompt, EncodeOptions::raw_prompt());
         let compiled = match &w.schema {
             Some(s) => Some(
@@ -247,32 +463,43 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
             None => None,
         };
         let mut plain: Option<(Vec<u32>, f64)> = None;
-        for (dname, spec) in &configs {
-            let engine = Engine::start(
-                Box::new(ModelBackend::new(model.clone())),
-                tok.clone(),
-                EngineConfig {
-                    max_seqs: 1,
-                    kv_tokens: n_ctx + 64,
-                    context_len: n_ctx,
-                    prefix_cache: false,
-                    spec: spec.clone(),
-                    ..EngineConfig::default()
-                },
-            )?;
-            let mut best: Option<(Vec<u32>, f64, Option<SpecStats>)> = None;
-            for _ in 0..args.repetitions {
+        // Repetitions interleave the drafters (plain, then each speculative set, then
+        // again), so a change in the machine's load hits every row alike.
+        let mut bests: Vec<Option<(Vec<u32>, f64, Option<SpecStats>)>> = vec![None; configs.len()];
+        for _ in 0..args.repetitions {
+            for ((_, spec), best) in configs.iter().zip(bests.iter_mut()) {
+                // A fresh engine per run, with a fresh cross-request index: a repetition
+                // must not draft from an earlier repetition's (or workload's) output.
+                let mut spec = spec.clone();
+                if let Some(ix) = &spec.drafters.suffix {
+                    spec.drafters.suffix = Some(Arc::new(SuffixIndex::new(*ix.config())));
+                }
+                let engine = Engine::start(
+                    Box::new(ModelBackend::new(model.clone())),
+                    tok.clone(),
+                    EngineConfig {
+                        max_seqs: 1,
+                        kv_tokens: n_ctx + 64,
+                        context_len: n_ctx,
+                        prefix_cache: false,
+                        spec,
+                        ..EngineConfig::default()
+                    },
+                )?;
                 let mut req = GenerateRequest::new(prompt.clone(), SamplingParams::greedy());
                 req.max_tokens = Some(args.max_tokens);
                 req.constraint = compiled
                     .as_ref()
                     .map(|c| Box::new(c.matcher()) as Box<dyn engine::TokenConstraint>);
-                let r = generate(&engine, req)?;
+                let r = generate(&engine, req);
+                engine.shutdown();
+                let r = r?;
                 if best.as_ref().is_none_or(|b| r.1 > b.1) {
-                    best = Some(r);
+                    *best = Some(r);
                 }
             }
-            engine.shutdown();
+        }
+        for ((dname, _), best) in configs.iter().zip(bests) {
             let Some((tokens, tps, stats)) = best else {
                 continue;
             };
@@ -286,6 +513,7 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
             let s = stats.unwrap_or_default();
             let row = SpecBenchRow {
                 workload: w.name,
+                extraction: w.extraction,
                 drafter: dname.clone(),
                 tokens: tokens.len(),
                 tokens_per_second: tps,
@@ -320,6 +548,38 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
             rows.push(row);
         }
     }
+    if !json {
+        // The extraction suite's speed-ups per drafter and their median.
+        let suite: Vec<&SpecBenchRow> = rows
+            .iter()
+            .filter(|r| r.extraction && r.drafter != "plain")
+            .collect();
+        let mut drafters: Vec<&str> = Vec::new();
+        for r in &suite {
+            if !drafters.contains(&r.drafter.as_str()) {
+                drafters.push(&r.drafter);
+            }
+        }
+        for d in drafters {
+            let xs: Vec<f64> = suite
+                .iter()
+                .filter(|r| r.drafter == d)
+                .map(|r| r.speedup)
+                .collect();
+            let list: Vec<String> = suite
+                .iter()
+                .filter(|r| r.drafter == d)
+                .map(|r| format!("{} {:.2}×", r.workload, r.speedup))
+                .collect();
+            if let Some(m) = median(&xs) {
+                writeln!(
+                    out,
+                    "\nextraction suite, {d}: {}; median {m:.2}×",
+                    list.join(", ")
+                )?;
+            }
+        }
+    }
     if json {
         writeln!(out, "{}", serde_json::to_string_pretty(&rows)?)?;
     }
@@ -327,4 +587,56 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
         bail!("a speculative output differed from plain decoding (G2 violated)");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_extraction_suite_has_six_varied_workloads_with_valid_schemas() {
+        let suite = extraction_suite();
+        assert_eq!(suite.len(), 6);
+        for w in &suite {
+            let s = w.schema.as_ref().expect("every extraction has a schema");
+            assert_eq!(s["type"], "array", "{}", w.name);
+            let props = s["items"]["properties"].as_object().expect("properties");
+            let required = s["items"]["required"].as_array().expect("required");
+            assert_eq!(props.len(), required.len(), "{}: all required", w.name);
+            assert!(w.prompt.ends_with("<|im_start|>assistant\n"), "{}", w.name);
+        }
+        let names: Vec<&str> = suite.iter().map(|w| w.name).collect();
+        assert_eq!(
+            names,
+            [
+                "csv-quoted",
+                "log-lines",
+                "key-value",
+                "html-table",
+                "nested",
+                "reformat"
+            ]
+        );
+    }
+
+    #[test]
+    fn workloads_are_selected_by_name_or_as_the_suite_and_unknown_names_fail() {
+        let pick = |v: &[&str]| -> Vec<&'static str> {
+            let names: Vec<String> = v.iter().map(|s| s.to_string()).collect();
+            selected(&names).unwrap().iter().map(|w| w.name).collect()
+        };
+        assert_eq!(pick(&[]).len(), 9);
+        assert_eq!(pick(&["prose", "nested"]), ["prose", "nested"]);
+        assert_eq!(pick(&["extraction"]).len(), 6);
+        assert!(pick(&["extraction", "structured"]).contains(&"structured"));
+        let err = selected(&["poetry".to_string()]).err().expect("an error");
+        assert!(err.to_string().contains("poetry"), "{err}");
+    }
+
+    #[test]
+    fn the_median_of_odd_and_even_counts() {
+        assert_eq!(median(&[]), None);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), Some(2.5));
+    }
 }

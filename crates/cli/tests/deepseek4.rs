@@ -61,9 +61,20 @@ fn tokens(out: &std::process::Output) -> Result<Vec<u64>, Box<dyn std::error::Er
 
 #[test]
 fn run_generates_with_a_deepseek4_file() -> TestResult {
-    let plain = tokens(&run(&["--temp", "0", "--ignore-eos", "-o", "json"])?)?;
+    let plain = tokens(&run(&[
+        "--temp",
+        "0",
+        "--ignore-eos",
+        "-o",
+        "json",
+        "--spec",
+        "off",
+    ])?)?;
     assert_eq!(plain.len(), 16);
     assert!(plain.iter().all(|&t| t < 258));
+    // Speculation is on by default (the free drafters), and so is `--spec auto`.
+    let default = tokens(&run(&["--temp", "0", "--ignore-eos", "-o", "json"])?)?;
+    assert_eq!(plain, default, "speculation changes nothing");
     let spec = tokens(&run(&[
         "--temp",
         "0",
@@ -81,11 +92,21 @@ fn run_generates_with_a_deepseek4_file() -> TestResult {
 
 #[test]
 fn run_drafts_with_a_dspark_support_file() -> TestResult {
-    let plain = tokens(&run(&["--temp", "0", "--ignore-eos", "-o", "json"])?)?;
+    let plain = tokens(&run(&[
+        "--temp",
+        "0",
+        "--ignore-eos",
+        "-o",
+        "json",
+        "--spec",
+        "off",
+    ])?)?;
     let sup = support();
     for temp in ["0", "0.8"] {
         let base = ["--temp", temp, "--seed", "7", "--ignore-eos", "-o", "json"];
-        let plain_t = tokens(&run(&base)?)?;
+        let mut off = base.to_vec();
+        off.extend_from_slice(&["--spec", "off"]);
+        let plain_t = tokens(&run(&off)?)?;
         let mut args = base.to_vec();
         args.extend_from_slice(&["--dspark", &sup, "--spec-max-draft", "5", "--spec-stats"]);
         args.extend_from_slice(&["--spec-confidence-grid", "0"]);

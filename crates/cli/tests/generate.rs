@@ -457,3 +457,73 @@ fn run_without_ctx_size_uses_the_trained_context_and_says_so() -> TestResult {
     );
     Ok(())
 }
+
+/// A prompt whose continuation repeats it, so the free drafters have something to draft.
+const REPEATING: &str =
+    "1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2,";
+
+#[test]
+fn run_speculates_by_default_and_matches_spec_off_exactly() -> TestResult {
+    for sampling in [&["--temp", "0"][..], &["--temp", "0.8", "--seed", "7"][..]] {
+        let mut common = vec![
+            "run",
+            "-p",
+            REPEATING,
+            "-n",
+            "40",
+            "-o",
+            "json",
+            "--top-logprobs",
+            "2",
+            "--spec-stats",
+        ];
+        common.extend_from_slice(sampling);
+        let default = run_json(&common)?;
+        let mut off_args = common.clone();
+        off_args.extend_from_slice(&["--spec", "off"]);
+        let off = run_json(&off_args)?;
+        // On by default: the free drafters proposed something, and nothing changed.
+        assert!(
+            default["spec"]["drafted"].as_u64().unwrap_or(0) > 0,
+            "{sampling:?}: {}",
+            default["spec"]
+        );
+        assert!(off["spec"].is_null(), "--spec off: {}", off["spec"]);
+        assert_eq!(ids(&default["tokens"]), ids(&off["tokens"]), "{sampling:?}");
+        assert_eq!(default["text"], off["text"], "{sampling:?}");
+        assert_eq!(default["logprobs"], off["logprobs"], "{sampling:?}");
+        assert_eq!(default["top_logprobs"], off["top_logprobs"], "{sampling:?}");
+        assert_eq!(
+            default["finish_reason"], off["finish_reason"],
+            "{sampling:?}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn chat_speculates_by_default_and_answers_as_with_spec_off() -> TestResult {
+    let turns = format!("Continue: {REPEATING}\nAnd once more: {REPEATING}\n");
+    let common = ["chat", "-n", "32", "--spec-stats"];
+    let default = lockstep_with_stdin(&common, &turns)?;
+    assert!(default.status.success(), "{}", text(&default.stderr));
+    let mut off_args = common.to_vec();
+    off_args.extend_from_slice(&["--spec", "off"]);
+    let off = lockstep_with_stdin(&off_args, &turns)?;
+    assert!(off.status.success(), "{}", text(&off.stderr));
+    assert_eq!(text(&default.stdout), text(&off.stdout));
+    let err = text(&default.stderr);
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("spec: ")).collect();
+    assert_eq!(lines.len(), 2, "one counters line per reply: {err}");
+    assert!(
+        lines.iter().any(|l| !l.contains("drafted 0,")),
+        "the free drafters drafted: {err}"
+    );
+    let off_err = text(&off.stderr);
+    assert_eq!(
+        off_err.lines().filter(|l| *l == "spec: off").count(),
+        2,
+        "{off_err}"
+    );
+    Ok(())
+}

@@ -1474,9 +1474,11 @@ impl<'t> Loop<'t> {
         // Statistics: the cycle, the policy, the cost model, time saved.
         let free = k - forced.min(k);
         let free_accepted = accepted.saturating_sub(forced.min(k));
-        let t1 = self.cost.single_row_ms();
-        let row = self.cost.row_ms();
-        let saved_ms = accepted as f64 * t1 - k as f64 * row - cost_us as f64 / 1e3;
+        // Against the measured verify-cost curve: the accepted tokens' plain steps minus
+        // the extra time of the k draft rows and the drafting.
+        let t1 = self.cost.step_ms(1);
+        let extra = self.cost.step_ms(1 + k) - t1;
+        let saved_ms = accepted as f64 * t1 - extra - cost_us as f64 / 1e3;
         let saved_us = (saved_ms * 1e3).round() as i64;
         if let Some(kind) = source {
             self.cost.observe_cycle(kind, free, free_accepted);

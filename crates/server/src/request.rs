@@ -207,8 +207,8 @@ pub fn plain_decoding(
     match speculation {
         Some(true) if !server_speculates => Err(ApiError::invalid(
             "speculation",
-            "this server was started without speculative decoding (start it with --ngram, \
-             --draft MODEL or --spec auto); `speculation: true` cannot be honoured",
+            "this server was started without speculative decoding (--spec off; it is on by \
+             default); `speculation: true` cannot be honoured",
         )),
         Some(on) => Ok(!on),
         None => Ok(false),

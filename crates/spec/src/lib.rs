@@ -39,7 +39,8 @@ pub use drafter::{
 pub use dspark::{DsparkCounters, DsparkDraft, DsparkDrafter};
 pub use ngram::{NgramConfig, NgramDrafter, find_match};
 pub use policy::{
-    Acceptance, CostModel, Gate, Plan, PolicyConfig, SeqPolicy, best_k, expected_rate,
+    Acceptance, CURVE_ROWS, CostModel, Gate, MIN_GAIN, Plan, PolicyConfig, SeqPolicy, best_k,
+    best_k_by, expected_rate,
 };
 pub use stats::SpecStats;
 pub use suffix::{MAX_SCAN, RECENT, SuffixConfig, SuffixCounters, SuffixDrafter, SuffixIndex};

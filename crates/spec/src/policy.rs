@@ -4,9 +4,13 @@
 //! unproductive cycles (pauses double per miss, bounded ×8; the first-position bar rises
 //! +0.05 per miss, bounded +0.20; one accepted draft resets both), a margin gate (no
 //! proposal when the target hesitated over the last committed token), and a draft length
-//! chosen by the cost model. Engine-wide ([`CostModel`]): a linear fit of step time
-//! against rows, the measured drafting cost per token and acceptance per drafter kind,
-//! which decide whether a costly drafter (the draft model) pays at all.
+//! chosen by the cost model. Engine-wide ([`CostModel`]): the verify-cost curve (the mean
+//! step time of each row count, a linear fit of step time against rows where a count is
+//! not measured yet), the measured drafting cost per token and acceptance per drafter
+//! kind, which decide the draft length (none when the expected accepted tokens do not beat
+//! the curve; a short probe follows every [`COST_PROBE_EVERY`] withheld steps), whether a
+//! costly drafter (the draft model, DSpark) pays at all, and a new sequence's starting
+//! acceptance (the engine's, once it has cycles of that kind).
 //!
 //! Grammar-forced tokens are certain and free to propose: the policy never withholds them.
 
@@ -113,8 +117,34 @@ pub fn best_k(alpha: f64, max: usize, base_ms: f64, row_ms: f64, draft_ms: f64) 
     best.1
 }
 
-/// Engine-wide cost measurements: step time against rows, drafting cost and acceptance
-/// per drafter kind.
+/// The draft length in `0..=max` with the best expected tokens per millisecond when a
+/// cycle drafting `k` tokens costs `cost_ms(k)` (the measured verify-cost curve plus the
+/// drafting time): `(1 + α + … + α^k) / cost_ms(k)`.
+pub fn best_k_by(alpha: f64, max: usize, cost_ms: impl Fn(usize) -> f64) -> usize {
+    let mut tokens = 1.0;
+    let mut p = 1.0;
+    let mut best = (tokens / cost_ms(0).max(1e-9), 0);
+    for k in 1..=max {
+        p *= alpha;
+        tokens += p;
+        let r = tokens / cost_ms(k).max(1e-9);
+        if r > best.0 * (1.0 + 1e-9) {
+            best = (r, k);
+        }
+    }
+    best.1
+}
+
+/// Most rows per step whose time is kept separately (the verify-cost curve).
+pub const CURVE_ROWS: usize = 65;
+/// The least expected gain over a plain step for which the policy drafts (5%).
+pub const MIN_GAIN: f64 = 0.05;
+/// Steps of a row count measured before its own mean replaces the linear fit.
+const CURVE_MIN_SAMPLES: u32 = 3;
+
+/// Engine-wide cost measurements: step time against rows (a linear fit, and the mean time
+/// of each row count: the verify-cost curve), drafting cost and acceptance per drafter
+/// kind.
 #[derive(Clone, Debug)]
 pub struct CostModel {
     // Decayed sums of the fit t = a + b·rows over decode/verify steps.
@@ -123,6 +153,8 @@ pub struct CostModel {
     sy: f64,
     sxx: f64,
     sxy: f64,
+    /// Decayed mean step time per row count (index = rows) and how many steps it holds.
+    curve: Vec<(f64, u32)>,
     draft_ms: [f64; DrafterKind::COUNT],
     draft_seen: [bool; DrafterKind::COUNT],
     acceptance: [Acceptance; DrafterKind::COUNT],
@@ -139,6 +171,7 @@ impl Default for CostModel {
             sy: 0.0,
             sxx: 0.0,
             sxy: 0.0,
+            curve: vec![(0.0, 0); CURVE_ROWS],
             draft_ms: [0.0; DrafterKind::COUNT],
             draft_seen: [false; DrafterKind::COUNT],
             acceptance: [Acceptance::default(); DrafterKind::COUNT],
@@ -173,6 +206,49 @@ impl CostModel {
         self.sy = self.sy * FIT_DECAY + ms;
         self.sxx = self.sxx * FIT_DECAY + x * x;
         self.sxy = self.sxy * FIT_DECAY + x * ms;
+        if let Some(c) = self.curve.get_mut(rows) {
+            c.0 = if c.1 == 0 { ms } else { 0.8 * c.0 + 0.2 * ms };
+            c.1 = c.1.saturating_add(1);
+        }
+    }
+
+    /// Estimated time of a step of `rows` rows, ms: the measured mean of that row count
+    /// once it has [`CURVE_MIN_SAMPLES`] steps, else the linear fit — never less than
+    /// the estimate of fewer rows (more rows never cost less).
+    pub fn step_ms(&self, rows: usize) -> f64 {
+        let (a, b) = self.fit();
+        let mut floor = 0.0f64;
+        let mut est = a;
+        for r in 1..=rows.max(1) {
+            est = match self.curve.get(r) {
+                Some(&(ms, n)) if n >= CURVE_MIN_SAMPLES => ms,
+                _ => a + b * r as f64,
+            };
+            est = est.max(floor);
+            floor = est;
+        }
+        est
+    }
+
+    /// The best draft length in `0..=max` for a sequence with per-position acceptance
+    /// `alpha` drafting with `kind`: the measured step time of `1 + k` rows plus the
+    /// drafting time of `k` tokens, against the tokens expected.
+    /// A draft is only worth it when it is expected to beat plain decoding by at least
+    /// [`MIN_GAIN`] (near the break-even point a draft risks a loss for nothing).
+    pub fn best_draft(&self, alpha: f64, max: usize, kind: DrafterKind) -> usize {
+        let draft = self.draft_ms(kind);
+        let cost = |k: usize| self.step_ms(1 + k) + k as f64 * draft;
+        let k = best_k_by(alpha, max, cost);
+        if k == 0 {
+            return 0;
+        }
+        let tokens: f64 = (0..=k).map(|i| alpha.powi(i as i32)).sum();
+        let plain = 1.0 / cost(0).max(1e-9);
+        if tokens / cost(k).max(1e-9) >= plain * (1.0 + MIN_GAIN) {
+            k
+        } else {
+            0
+        }
     }
 
     /// `(a, b)` of the fit `ms = a + b·rows` (b ≥ 0; a ≥ b). Falls back to a mean step
@@ -239,18 +315,28 @@ impl CostModel {
         self.acceptance[kind.index()].alpha()
     }
 
-    /// Whether a costly drafter (the draft model) is expected to pay: the best draft
-    /// length under the measured costs and acceptance is at least 1. A drafter judged a
+    /// Verify cycles of `kind` recorded engine-wide.
+    pub fn cycles(&self, kind: DrafterKind) -> u64 {
+        self.cycles[kind.index()]
+    }
+
+    /// Whether a costly drafter (the draft model, DSpark) is expected to pay: the best draft
+    /// length under the measured verify-cost curve, drafting time and acceptance is at
+    /// least 1. A drafter judged a
     /// loss is still probed once every [`PROBE_EVERY`] calls, so the judgement can change.
     pub fn costly_pays(&mut self, max_draft: usize) -> bool {
-        let kind = DrafterKind::DraftModel;
-        let i = kind.index();
-        if self.cycles[i] < MIN_EVIDENCE || !self.draft_seen[i] {
+        // The costly kinds with enough evidence to judge (the draft model, DSpark).
+        let judged: Vec<DrafterKind> = [DrafterKind::DraftModel, DrafterKind::Dspark]
+            .into_iter()
+            .filter(|k| self.cycles[k.index()] >= MIN_EVIDENCE && self.draft_seen[k.index()])
+            .collect();
+        if judged.is_empty() {
             self.since_costly = 0;
             return true;
         }
-        let (a, b) = self.fit();
-        let pays = best_k(self.alpha(kind), max_draft, a, b, self.draft_ms(kind)) > 0;
+        let pays = judged
+            .iter()
+            .any(|&kind| self.best_draft(self.alpha(kind), max_draft, kind) > 0);
         if pays {
             self.since_costly = 0;
             return true;
@@ -294,6 +380,8 @@ pub struct SeqPolicy {
     misses: u32,
     pause_left: u32,
     acceptance: [Acceptance; DrafterKind::COUNT],
+    /// Cycles recorded per kind.
+    recorded: [u32; DrafterKind::COUNT],
     last_kind: Option<DrafterKind>,
     /// Consecutive steps the cost model withheld drafts (a probe follows
     /// [`COST_PROBE_EVERY`] of them, so the measurements can change its mind).
@@ -352,9 +440,14 @@ impl SeqPolicy {
             plan.gate = Some(Gate::Margin);
         } else if cfg.cost_model {
             let kind = self.last_kind.unwrap_or(DrafterKind::Ngram);
-            let alpha = self.acceptance[kind.index()].alpha();
-            let (a, b) = cost.fit();
-            let mut k = best_k(alpha, cap, a, b, cost.draft_ms(kind));
+            // A sequence without cycles of its own starts from the engine's experience
+            // with the kind (earlier requests), not from the neutral prior.
+            let alpha = if self.recorded[kind.index()] == 0 && cost.cycles(kind) > 0 {
+                cost.alpha(kind)
+            } else {
+                self.acceptance[kind.index()].alpha()
+            };
+            let mut k = cost.best_draft(alpha, cap, kind);
             if k == 0 {
                 self.cost_skips += 1;
                 if self.cost_skips >= COST_PROBE_EVERY {
@@ -383,6 +476,7 @@ impl SeqPolicy {
         }
         self.last_kind = Some(kind);
         self.acceptance[kind.index()].record(drafted, accepted);
+        self.recorded[kind.index()] = self.recorded[kind.index()].saturating_add(1);
         if accepted > 0 {
             self.misses = 0;
             self.pause_left = 0;
@@ -500,5 +594,90 @@ mod tests {
             allowed += usize::from(c.costly_pays(4));
         }
         assert_eq!(allowed, 1, "off except one probe");
+    }
+
+    /// Feeds `c` steps of a convex verify-cost curve like the one measured for
+    /// qwen2.5-coder-1.5b on 2 CPU threads (1 row 57 ms, 2 rows 65, 4 rows 77, 8 rows 132).
+    fn convex_curve(c: &mut CostModel) {
+        let curve = [
+            (1, 57.0),
+            (2, 65.0),
+            (3, 71.0),
+            (4, 77.0),
+            (5, 90.0),
+            (9, 140.0),
+        ];
+        for _ in 0..10 {
+            for &(rows, ms) in &curve {
+                c.observe_step(rows, ms);
+            }
+        }
+    }
+
+    #[test]
+    fn the_measured_curve_replaces_the_linear_fit_where_it_is_known() {
+        let mut c = CostModel::new();
+        convex_curve(&mut c);
+        assert!((c.step_ms(1) - 57.0).abs() < 1e-6);
+        assert!((c.step_ms(9) - 140.0).abs() < 1e-6);
+        // Unmeasured counts come from the fit, never below a smaller count's time.
+        assert!(c.step_ms(6) >= c.step_ms(5));
+        assert!(c.step_ms(8) >= c.step_ms(6));
+        // At 60% acceptance the best cycle on this curve verifies 4 rows (k = 3: 2.18
+        // tokens in 77 ms); 5 rows cost 90 ms, and 9 rows 140 ms.
+        assert_eq!(c.best_draft(0.6, 8, DrafterKind::Ngram), 3);
+        // A drafting cost per token moves it down.
+        c.observe_draft(DrafterKind::DraftModel, 1, 20_000);
+        assert!(c.best_draft(0.6, 8, DrafterKind::DraftModel) < 3);
+        // Near break-even (α = 0.16: one draft row costs 8 ms of 57, expected gain 2%)
+        // the policy does not draft; just above the margin (α = 0.25, +9%) it does.
+        assert_eq!(c.best_draft(0.16, 8, DrafterKind::Ngram), 0);
+        assert!(c.best_draft(0.25, 8, DrafterKind::Ngram) > 0);
+        // Prose-like acceptance drafts nothing; near-certain drafts go long.
+        assert_eq!(c.best_draft(0.1, 8, DrafterKind::Ngram), 0);
+        assert!(c.best_draft(0.98, 8, DrafterKind::Ngram) >= 7);
+    }
+
+    #[test]
+    fn a_new_sequence_starts_from_the_engines_acceptance() {
+        let mut c = CostModel::new();
+        convex_curve(&mut c);
+        for _ in 0..30 {
+            c.observe_cycle(DrafterKind::Ngram, 3, 0);
+        }
+        let cfg = PolicyConfig::default();
+        // The neutral prior (α = 0.5) would draft; the engine's record says it will miss.
+        assert!(c.best_draft(0.5, 8, DrafterKind::Ngram) > 0);
+        let mut p = SeqPolicy::new();
+        assert_eq!(p.plan(&cfg, &c, 8, None).gate, Some(Gate::Cost));
+        // Its own cycles take over from the engine's estimate.
+        for _ in 0..20 {
+            p.record(Some(DrafterKind::Ngram), 2, 2);
+        }
+        let plan = p.plan(&cfg, &c, 8, None);
+        assert_eq!(plan.gate, None);
+        assert!(plan.max_draft > 0);
+    }
+
+    #[test]
+    fn a_dspark_drafter_that_loses_is_turned_off_and_probed_later() {
+        let mut c = CostModel::new();
+        convex_curve(&mut c);
+        for _ in 0..20 {
+            c.observe_draft(DrafterKind::Dspark, 4, 160_000); // 40 ms per token
+            c.observe_cycle(DrafterKind::Dspark, 4, 1);
+        }
+        let allowed: usize = (0..PROBE_EVERY)
+            .map(|_| usize::from(c.costly_pays(4)))
+            .sum();
+        assert_eq!(allowed, 1, "off except one probe");
+        // Cheap and accepted: it pays.
+        let mut c = CostModel::new();
+        convex_curve(&mut c);
+        for _ in 0..20 {
+            c.observe_draft(DrafterKind::Dspark, 4, 4_000);
+            c.observe_cycle(DrafterKind::Dspark, 4, 4);
+        }
+        assert!((0..PROBE_EVERY).all(|_| c.costly_pays(4)));
     }
 }
