@@ -19,8 +19,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Most activation rows per weight-tile pass (AVX-512: 32 registers).
 const MR: usize = 6;
-/// Activation rows per pass on AVX2 (16 registers).
+/// Activation rows per pass on AVX2 (16 registers) for the plain 4-bit formats and Q8_0;
+/// the formats whose codes take more work to decode (Q5_*, Q6_K: fifth bit, bits 4–5)
+/// share it over `MR` rows (measured: `examples/prefill.rs`, BENCHMARKS.md).
 const MR_AVX2: usize = 4;
+
+/// Activation rows per weight-tile pass on AVX2 for format `id`.
+fn mr_avx2(id: u8) -> usize {
+    match id {
+        Q5_0 | Q5_1 | Q5K | Q6K => MR,
+        _ => MR_AVX2,
+    }
+}
 /// Bytes of activation codes kept hot while a block of M rows walks all weight tiles.
 const ACT_BUDGET: usize = 384 * 1024;
 /// Bytes of weight tiles one group of passes over the M rows works on (kept in L2).
@@ -1001,7 +1011,7 @@ pub(crate) unsafe fn matmul_packed(
         out: out.as_mut_ptr(),
         ldo,
     };
-    let mr = if avx512 { MR } else { MR_AVX2 };
+    let mr = if avx512 { MR } else { mr_avx2(id) };
     let m_total = acts.m;
     let chunk = (ACT_BUDGET / acts.k).max(mr);
     // Tiles are walked in groups small enough to stay in L2, and every pass over the M
