@@ -339,3 +339,51 @@ fn long_rows_and_many_activation_rows_split_into_m_blocks_stay_bit_identical() {
         }
     }
 }
+
+#[test]
+fn largest_codes_against_full_scale_activations_stay_bit_identical() {
+    // Every code at its largest stored value (all bits set) against activation blocks at
+    // ±127 everywhere: the largest partial sums any kernel forms (the AVX2 kernels sum
+    // several `pmaddubsw` products in i16 lanes before widening; this is their bound).
+    // Also all-zero codes (the most negative signed codes of the offset formats).
+    let scalar = Kernels::scalar();
+    for format in TILED {
+        let k = k_values(format)[1];
+        let (n, m) = (17, 7);
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| {
+                if (i / k).is_multiple_of(2) {
+                    3.5
+                } else {
+                    -2.25
+                }
+            })
+            .collect();
+        for byte in [0xFFu8, 0x00] {
+            let mut w = vec![byte; format.row_bytes(k).unwrap() * n];
+            for blk in w.chunks_exact_mut(format.block_bytes()) {
+                for &off in f16_fields(format) {
+                    blk[off..off + 2]
+                        .copy_from_slice(&half::f16::from_f32(0.0125).to_bits().to_le_bytes());
+                }
+            }
+            let packed = PackedMatrix::pack(format, &w, n, k).unwrap();
+            let acts = acts_for(&scalar, format, k, &x);
+            let mut want = vec![0.0; m * n];
+            scalar.matmul(format, &w, n, &acts, &mut want).unwrap();
+            assert!(want.iter().all(|v| v.is_finite()), "{format}");
+            for ks in Kernels::all_available() {
+                let acts_p = acts_for(&ks, format, k, &x);
+                let mut got = vec![f32::NAN; m * n];
+                ks.matmul_packed(&packed, &acts_p, 0..n, &mut got, n)
+                    .unwrap();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{format} {} byte {byte:#x}",
+                    ks.name()
+                );
+            }
+        }
+    }
+}

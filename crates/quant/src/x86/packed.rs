@@ -19,8 +19,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Most activation rows per weight-tile pass (AVX-512: 32 registers).
 const MR: usize = 6;
-/// Activation rows per pass on AVX2 (16 registers).
+/// Activation rows per pass on AVX2 (16 registers) for the plain 4-bit formats and Q8_0;
+/// the formats whose codes take more work to decode (Q5_*, Q6_K: fifth bit, bits 4–5)
+/// share it over `MR` rows (measured: `examples/prefill.rs`, BENCHMARKS.md).
 const MR_AVX2: usize = 4;
+
+/// Activation rows per weight-tile pass on AVX2 for format `id`.
+fn mr_avx2(id: u8) -> usize {
+    match id {
+        Q5_0 | Q5_1 | Q5K | Q6K => MR,
+        _ => MR_AVX2,
+    }
+}
 /// Bytes of activation codes kept hot while a block of M rows walks all weight tiles.
 const ACT_BUDGET: usize = 384 * 1024;
 /// Bytes of weight tiles one group of passes over the M rows works on (kept in L2).
@@ -90,7 +100,35 @@ trait Pk {
     unsafe fn cvt(v: Self::V) -> Self::F;
     /// Store L lanes.
     unsafe fn store(v: Self::F, p: *mut f32);
+
+    /// Whether the kernels sum `u·a` products as i16 pairs (`pmaddubsw`) over several
+    /// vectors before widening them once with `pmaddwd` against the sub-block scale (AVX2),
+    /// instead of widening every product (AVX-512 VNNI: `vpdpbusd` widens for free). The
+    /// integer block sums are the same exact integers either way; each kernel sums at most
+    /// as many products as keep every i16 lane within ±32767 (|a| ≤ 128, see `i16_sums`).
+    const I16: bool;
+    /// i16 lanes: `u[2j]·a[2j] + u[2j+1]·a[2j+1]` of the bytes of `u` and the broadcast
+    /// four bytes `a` (u ≤ 63 unsigned, `a` signed: never saturates, |lane| ≤ 16 128).
+    unsafe fn mul16(u: Self::V, a: i32) -> Self::V;
+    /// `a + b` per i16 lane (wrapping; the callers keep every lane in range).
+    unsafe fn add16(a: Self::V, b: Self::V) -> Self::V;
+    /// `acc + (p[2l]·w[2l] + p[2l+1]·w[2l+1])` per i32 lane `l`, over i16 pairs.
+    unsafe fn widen(acc: Self::V, p: Self::V, w: Self::V) -> Self::V;
+    /// `a − b` per i32 lane.
+    unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
+    /// Per i32 lane: the low 16 bits of `lo` in the low half, of `hi` in the high half.
+    unsafe fn pair16(lo: Self::V, hi: Self::V) -> Self::V;
+    /// `v << 5` per i16 lane.
+    unsafe fn shl5_16(v: Self::V) -> Self::V;
 }
+
+/// Most `pmaddubsw` results of `c`-bit codes (u < 2^c) that can be summed in an i16 lane:
+/// each is at most `2·(2^c − 1)·128` in magnitude.
+const fn i16_sums(bits: u32) -> usize {
+    (i16::MAX as usize) / (2 * ((1usize << bits) - 1) * 128)
+}
+
+const _: () = assert!(i16_sums(4) >= 8 && i16_sums(5) >= 4 && i16_sums(6) >= 2);
 
 struct P512;
 
@@ -226,6 +264,43 @@ impl Pk for P512 {
     unsafe fn store(v: __m512, p: *mut f32) {
         // SAFETY: the caller guarantees 16 writable f32.
         unsafe { _mm512_storeu_ps(p, v) }
+    }
+
+    const I16: bool = false;
+    #[inline(always)]
+    unsafe fn mul16(u: __m512i, a: i32) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_maddubs_epi16(u, _mm512_set1_epi32(a)) }
+    }
+    #[inline(always)]
+    unsafe fn add16(a: __m512i, b: __m512i) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_add_epi16(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn widen(acc: __m512i, p: __m512i, w: __m512i) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_add_epi32(acc, _mm512_madd_epi16(p, w)) }
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m512i, b: __m512i) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_sub_epi32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn pair16(lo: __m512i, hi: __m512i) -> __m512i {
+        // SAFETY: register operations.
+        unsafe {
+            _mm512_or_si512(
+                _mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)),
+                _mm512_slli_epi32::<16>(hi),
+            )
+        }
+    }
+    #[inline(always)]
+    unsafe fn shl5_16(v: __m512i) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_slli_epi16::<5>(v) }
     }
 }
 
@@ -367,6 +442,38 @@ impl Pk for P256 {
         // SAFETY: the caller guarantees 8 writable f32.
         unsafe { _mm256_storeu_ps(p, v) }
     }
+
+    const I16: bool = true;
+    #[inline(always)]
+    unsafe fn mul16(u: __m256i, a: i32) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_maddubs_epi16(u, _mm256_set1_epi32(a)) }
+    }
+    #[inline(always)]
+    unsafe fn add16(a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_add_epi16(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn widen(acc: __m256i, p: __m256i, w: __m256i) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(p, w)) }
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_sub_epi32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn pair16(lo: __m256i, hi: __m256i) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_blend_epi16::<0xAA>(lo, _mm256_slli_epi32::<16>(hi)) }
+    }
+    #[inline(always)]
+    unsafe fn shl5_16(v: __m256i) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_slli_epi16::<5>(v) }
+    }
 }
 
 /// Everything one kernel call needs: the tiles, the activation rows, the output.
@@ -435,6 +542,33 @@ unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
                         isum[i] = P::dot8(isum[i], u, rd32(a.qs[i].add(32 * b + 4 * c)));
                     }
                 }
+            } else if P::I16 {
+                // Two products per step; `per` steps summed in i16, then widened.
+                let bits = if FMT == Q5_0 || FMT == Q5_1 { 5 } else { 4 };
+                let per = (i16_sums(bits) / 2).min(4);
+                let ones = P::splat_i(0x0001_0001);
+                let cb = codes.add(256 * b);
+                let mut p = [P::splat_i(0); R];
+                for t in 0..4 {
+                    stream_ahead(stream, base, lay, h, b, t, 4);
+                    let v = P::load(cb.add(64 * t));
+                    let mut lo = P::lo4(v);
+                    let mut hv = P::hi4(v);
+                    if FMT == Q5_0 || FMT == Q5_1 {
+                        lo = P::bit4(lo, hi.add(64 * b + 8 * t));
+                        hv = P::bit4(hv, hi.add(64 * b + 8 * (t + 4)));
+                    }
+                    for i in 0..R {
+                        let qa = a.qs[i].add(32 * b + 4 * t);
+                        let x = P::add16(P::mul16(lo, rd32(qa)), P::mul16(hv, rd32(qa.add(16))));
+                        p[i] = if t % per == 0 { x } else { P::add16(p[i], x) };
+                    }
+                    if t % per == per - 1 {
+                        for i in 0..R {
+                            isum[i] = P::widen(isum[i], p[i], ones);
+                        }
+                    }
+                }
             } else {
                 let cb = codes.add(256 * b);
                 for t in 0..4 {
@@ -498,6 +632,34 @@ unsafe fn k45<P: Pk, const R: usize, const QH: bool>(
                 stream_ahead(stream, base, lay, h, b, g, 8);
                 let sc = P::u8s(scp.add(128 * b + 16 * g));
                 let cb = codes.add(2048 * b + 256 * g);
+                if P::I16 {
+                    // Two products per step; `per` steps summed in i16, then widened
+                    // against the sub-block scale.
+                    let per = (i16_sums(if QH { 5 } else { 4 }) / 2).min(4);
+                    let sc16 = P::pair16(sc, sc);
+                    let mut p = [P::splat_i(0); R];
+                    for t in 0..4 {
+                        let v = P::load(cb.add(64 * t));
+                        let mut lo = P::lo4(v);
+                        let mut hv = P::hi4(v);
+                        if QH {
+                            lo = P::bit4(lo, hi.add(512 * b + 64 * g + 8 * t));
+                            hv = P::bit4(hv, hi.add(512 * b + 64 * g + 8 * (t + 4)));
+                        }
+                        for i in 0..R {
+                            let qa = a.qs[i].add(256 * b + 32 * g + 4 * t);
+                            let x =
+                                P::add16(P::mul16(lo, rd32(qa)), P::mul16(hv, rd32(qa.add(16))));
+                            p[i] = if t % per == 0 { x } else { P::add16(p[i], x) };
+                        }
+                        if t % per == per - 1 {
+                            for i in 0..R {
+                                isum[i] = P::widen(isum[i], p[i], sc16);
+                            }
+                        }
+                    }
+                    continue;
+                }
                 let mut s = [P::splat_i(0); R];
                 for t in 0..4 {
                     let v = P::load(cb.add(64 * t));
@@ -568,6 +730,44 @@ unsafe fn q6k<P: Pk, const R: usize>(
                     P::load(cb.add(128)),
                     P::load(cb.add(192)),
                 ];
+                if P::I16 {
+                    // Codes u = q + 32 (≤ 63): two products summed in i16, widened against
+                    // the sub-block scale; the offset, −32·(sc_j·s16_j + sc_j'·s16_j') for
+                    // the two sub-blocks of this group, with one `pmaddwd`.
+                    let sc0 = P::i8s(scp.add(256 * b + 32 * g));
+                    let sc1 = P::i8s(scp.add(256 * b + 32 * g + 16));
+                    let off = P::shl5_16(P::pair16(sc0, sc1));
+                    for s in 0..2 {
+                        let j = 2 * g + s;
+                        let hv = P::load(hi.add(1024 * b + 128 * g + 64 * s));
+                        let nib = |x| if s == 0 { P::lo4(x) } else { P::hi4(x) };
+                        let u = [
+                            P::hi2::<0>(nib(v[0]), hv),
+                            P::hi2::<1>(nib(v[1]), hv),
+                            P::hi2::<2>(nib(v[2]), hv),
+                            P::hi2::<3>(nib(v[3]), hv),
+                        ];
+                        let scd = if s == 0 { sc0 } else { sc1 };
+                        let sc16 = P::pair16(scd, scd);
+                        for i in 0..R {
+                            let qa = a.qs[i].add(256 * b + 16 * j);
+                            let x =
+                                P::add16(P::mul16(u[0], rd32(qa)), P::mul16(u[1], rd32(qa.add(4))));
+                            isum[i] = P::widen(isum[i], x, sc16);
+                            let x = P::add16(
+                                P::mul16(u[2], rd32(qa.add(8))),
+                                P::mul16(u[3], rd32(qa.add(12))),
+                            );
+                            isum[i] = P::widen(isum[i], x, sc16);
+                        }
+                    }
+                    for i in 0..R {
+                        let pair = rd32(a.s16[i].add(16 * b + 2 * g) as *const u8);
+                        let o = P::widen(P::splat_i(0), off, P::splat_i(pair));
+                        isum[i] = P::sub(isum[i], o);
+                    }
+                    continue;
+                }
                 for s in 0..2 {
                     let j = 2 * g + s;
                     let hv = P::load(hi.add(1024 * b + 128 * g + 64 * s));
@@ -811,7 +1011,7 @@ pub(crate) unsafe fn matmul_packed(
         out: out.as_mut_ptr(),
         ldo,
     };
-    let mr = if avx512 { MR } else { MR_AVX2 };
+    let mr = if avx512 { MR } else { mr_avx2(id) };
     let m_total = acts.m;
     let chunk = (ACT_BUDGET / acts.k).max(mr);
     // Tiles are walked in groups small enough to stay in L2, and every pass over the M
