@@ -171,16 +171,52 @@ fn tg128(b: &mut lockstep_backend_cuda::CudaBackend) -> f64 {
 }
 
 fn main() {
+    const USAGE: &str = "usage: cuda_bench MODEL.gguf [--check-cpu] [--unordered] [--profile] \
+                         [--ab] [--steps-only]\n(the options are described at the top of \
+                         crates/backend-cuda/examples/cuda_bench.rs)";
+    const FLAGS: [&str; 5] = [
+        "--check-cpu",
+        "--unordered",
+        "--profile",
+        "--ab",
+        "--steps-only",
+    ];
     let args: Vec<String> = std::env::args().collect();
-    let Some(path) = args.get(1) else {
-        eprintln!("usage: cuda_bench MODEL.gguf [--check-cpu] [--unordered] [--profile] [--ab]");
+    if args.iter().skip(1).any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return;
+    }
+    if let Some(bad) = args
+        .iter()
+        .skip(1)
+        .find(|a| a.starts_with('-') && !FLAGS.contains(&a.as_str()))
+    {
+        eprintln!("cuda_bench: unknown option {bad}\n{USAGE}");
+        std::process::exit(2);
+    }
+    let paths: Vec<&String> = args
+        .iter()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let [path] = paths[..] else {
+        eprintln!(
+            "cuda_bench: expected one model file, got {}\n{USAGE}",
+            paths.len()
+        );
         std::process::exit(2);
     };
     let check_cpu = args.iter().any(|a| a == "--check-cpu");
     let unordered = args.iter().any(|a| a == "--unordered");
     let profile = args.iter().any(|a| a == "--profile");
     let ab = args.iter().any(|a| a == "--ab");
-    let g = Arc::new(GgufFile::open(path).expect("open model"));
+    let g = match GgufFile::open(path) {
+        Ok(g) => Arc::new(g),
+        Err(e) => {
+            eprintln!("cuda_bench: cannot open {path}: {e}");
+            std::process::exit(1);
+        }
+    };
     let t0 = Instant::now();
     let mut b = match lockstep_backend_cuda::load_backend(0, g.clone(), Some(4096)) {
         Ok(b) => b,

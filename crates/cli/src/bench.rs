@@ -459,7 +459,9 @@ fn run_device(args: &BenchArgs, tests: &[Test], out: &mut dyn Write) -> anyhow::
             kv_type: args.kv_type,
             device: args.device,
         };
-        let loaded = crate::device::backend(&gguf, &margs, &name, None)?;
+        let loaded = crate::device::backend(&gguf, &margs, &name, None, &|n| {
+            n + backend_cpu::DEFAULT_BLOCK_SIZE
+        })?;
         let mut b = loaded.backend;
         b.init_kv(n_ctx + backend_cpu::DEFAULT_BLOCK_SIZE)
             .map_err(|e| anyhow::anyhow!("{name}: KV cache: {e}"))?;

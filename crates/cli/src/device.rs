@@ -3,12 +3,17 @@
 //! `auto` (the default) takes CUDA device 0 when this binary was built with the `cuda`
 //! feature and the device opens, and says so on stderr; otherwise the CPU. Asking for
 //! CUDA explicitly where it is not usable is an error, never a silent fall-back.
+//!
+//! The memory check follows the device: a CUDA load's context and weights are checked
+//! against the device's free memory and only what stays on the host against host RAM
+//! (`runtime::memory`); a CPU load against host RAM.
 
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use engine::{Deepseek4Backend, ForwardBackend, ModelBackend};
 use gguf::GgufFile;
+use runtime::load::ContextChoice;
 
 use crate::args::ModelArgs;
 
@@ -57,6 +62,9 @@ pub struct Loaded {
     pub backend: Box<dyn ForwardBackend>,
     /// Its context length.
     pub n_ctx: usize,
+    /// How that context length was chosen (bounded by the memory of the device it runs
+    /// on when `--ctx-size` is not given).
+    pub context: ContextChoice,
     /// Its vocabulary width.
     pub n_vocab: usize,
     /// The DSpark block drafter, when one was asked for.
@@ -68,19 +76,26 @@ pub struct Loaded {
 /// The engine backend for `args`: the model loaded on the chosen device, and with `dspark`
 /// (a DSpark support file, DeepSeek V4 targets only) the block drafter checked against it,
 /// with the backend capturing the rows it reads.
+///
+/// The context is `args.ctx_size`, else the trained one bounded by the memory of the
+/// device the model runs on, with a KV cache of `kv_slots(n)` token slots for a context
+/// of `n` (what the caller will ask `init_kv` for).
 pub fn backend(
     gguf: &Arc<GgufFile>,
     args: &ModelArgs,
     name: &str,
     dspark: Option<&str>,
+    kv_slots: &dyn Fn(usize) -> usize,
 ) -> anyhow::Result<Loaded> {
     if runtime::load::is_deepseek4(gguf) {
         // DeepSeek V4 runs on the CPU backend only (per-sequence compressor state).
         if let DeviceArg::Cuda(n) = args.device {
             bail!("--device cuda:{n}: {name} is a deepseek4 model, which runs on the CPU only");
         }
+        let context =
+            runtime::load::context_choice(gguf, args.ctx_size, model::KvType::F32, kv_slots)?;
         let model = Arc::new(
-            runtime::load::load_deepseek4(gguf, args.threads(), args.ctx_size)
+            runtime::load::load_deepseek4(gguf, args.threads(), Some(context.n_ctx))
                 .with_context(|| format!("loading {name}"))?,
         );
         let (n_ctx, n_vocab) = (model.n_ctx(), model.config().n_vocab);
@@ -100,6 +115,7 @@ pub fn backend(
         return Ok(Loaded {
             backend: Box::new(backend),
             n_ctx,
+            context,
             n_vocab,
             dspark: draft,
             device_name: quant::kernels().name().to_string(),
@@ -118,11 +134,12 @@ pub fn backend(
         DeviceArg::Auto => backend_cuda::cuda_built().then_some((0, false)),
     };
     if let Some((ordinal, explicit)) = cuda {
-        match cuda_backend(gguf, args, ordinal) {
-            Ok((backend, n_ctx, n_vocab)) => {
+        match cuda_backend(gguf, args, ordinal, kv_slots) {
+            Ok((backend, context, n_vocab)) => {
                 return Ok(Loaded {
                     backend,
-                    n_ctx,
+                    n_ctx: context.n_ctx,
+                    context,
                     n_vocab,
                     dspark: None,
                     device_name: format!("cuda:{ordinal}"),
@@ -138,31 +155,63 @@ pub fn backend(
             }
         }
     }
+    let context =
+        runtime::load::context_choice(gguf, args.ctx_size, args.kv_type.into(), kv_slots)?;
     let model = Arc::new(
-        runtime::load::load_model(gguf, args.threads(), args.ctx_size, args.kv_type.into())
-            .with_context(|| format!("loading {name}"))?,
+        runtime::load::load_model(
+            gguf,
+            args.threads(),
+            Some(context.n_ctx),
+            args.kv_type.into(),
+        )
+        .with_context(|| format!("loading {name}"))?,
     );
     let (n_ctx, n_vocab) = (model.n_ctx(), model.config().n_vocab);
     Ok(Loaded {
         backend: Box::new(ModelBackend::new(model)),
         n_ctx,
+        context,
         n_vocab,
         dspark: None,
         device_name: quant::kernels().name().to_string(),
     })
 }
 
+/// The CUDA backend on device `ordinal`, after the memory check against the device's free
+/// memory (and host RAM for what stays on the host).
 #[cfg(feature = "cuda")]
 fn cuda_backend(
     gguf: &Arc<GgufFile>,
     args: &ModelArgs,
     ordinal: usize,
-) -> anyhow::Result<(Box<dyn ForwardBackend>, usize, usize)> {
+    kv_slots: &dyn Fn(usize) -> usize,
+) -> anyhow::Result<(Box<dyn ForwardBackend>, ContextChoice, usize)> {
+    use runtime::memory::{MemoryBudget, Placement};
     if args.kv_type != crate::args::KvTypeArg::F16 {
         bail!("the CUDA backend keeps its KV cache in f16 only (drop --kv-type)");
     }
-    let n_ctx = runtime::load::context_length(gguf, args.ctx_size)?;
-    let b = backend_cuda::load_backend(ordinal, Arc::clone(gguf), Some(n_ctx))?;
+    let dev = backend_cuda::Device::new(ordinal)?;
+    let (free, _total) = dev.memory()?;
+    let placement = Placement::Cuda(ordinal);
+    let budget = MemoryBudget {
+        host_available: model::available_memory(),
+        device_free: Some(free as u64),
+    };
+    let kv_type = model::KvType::F16;
+    let context = runtime::load::context_choice_within(
+        gguf,
+        args.ctx_size,
+        kv_type,
+        kv_slots,
+        placement,
+        &budget,
+    )?;
+    runtime::load::check_memory_on(gguf, kv_slots(context.n_ctx), kv_type, placement, &budget)?;
+    let b = backend_cuda::CudaBackend::new(backend_cuda::CudaModel::load(
+        dev,
+        Arc::clone(gguf),
+        Some(context.n_ctx),
+    )?);
     let dev = b.model().device();
     eprintln!(
         "using CUDA device {} ({}, sm_{}{})",
@@ -172,7 +221,7 @@ fn cuda_backend(
         dev.compute_capability().1
     );
     let n_vocab = b.model().config().n_vocab;
-    Ok((Box::new(b), n_ctx, n_vocab))
+    Ok((Box::new(b), context, n_vocab))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -180,7 +229,8 @@ fn cuda_backend(
     _gguf: &Arc<GgufFile>,
     _args: &ModelArgs,
     _ordinal: usize,
-) -> anyhow::Result<(Box<dyn ForwardBackend>, usize, usize)> {
+    _kv_slots: &dyn Fn(usize) -> usize,
+) -> anyhow::Result<(Box<dyn ForwardBackend>, ContextChoice, usize)> {
     Err(backend_cuda::CudaError::NotBuilt.into())
 }
 
@@ -216,6 +266,7 @@ mod tests {
                 device: DeviceArg::Cuda(0),
             },
             0,
+            &|n| n,
         )
         .err()
         .unwrap();

@@ -119,17 +119,10 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
         spec: engine::SpecConfig::default(),
         disk_cache: None,
     };
-    // The default context: the trained one, bounded by the memory of the KV pool the
-    // engine will allocate for it.
-    let choice = runtime::load::context_choice(&gguf, args.model.ctx_size, kv_type, |n| {
-        opts.kv_pool_tokens(n)
-    })?;
-    let n_ctx = choice.n_ctx;
-    opts.ctx_size = Some(n_ctx);
-    runtime::load::check_memory(&gguf, n_ctx, kv_type)?;
     // The CPU's Runtime::open unless a GPU was asked for or `auto` may find one, or a
     // DSpark support file comes with the model: then device::backend loads it (and says
-    // where it runs).
+    // where it runs). Either way the default context is the trained one, bounded by the
+    // memory (host RAM, or the GPU's) of the KV pool the engine will allocate for it.
     let on_gpu_maybe = match args.model.device {
         DeviceArg::Cpu => false,
         DeviceArg::Cuda(_) => true,
@@ -139,15 +132,22 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
     // A DeepSeek V4 model loads there too: speculation (on by default) needs its logit
     // width, which only its own loader reads.
     let v4 = runtime::load::is_deepseek4(&gguf);
-    let (loaded, spec_draft) = if on_gpu_maybe || dspark.is_some() || v4 {
-        let mut margs = args.model.clone();
-        margs.ctx_size = Some(n_ctx);
-        let loaded = crate::device::backend(&gguf, &margs, &name, dspark)?;
+    let pool = opts.clone();
+    let (choice, loaded, spec_draft) = if on_gpu_maybe || dspark.is_some() || v4 {
+        let loaded = crate::device::backend(&gguf, &args.model, &name, dspark, &|n| {
+            pool.kv_pool_tokens(n)
+        })?;
         let draft = loaded.dspark.clone();
-        (Some(loaded), draft)
+        (loaded.context, Some(loaded), draft)
     } else {
-        (None, None)
+        let choice = runtime::load::context_choice(&gguf, args.model.ctx_size, kv_type, |n| {
+            pool.kv_pool_tokens(n)
+        })?;
+        runtime::load::check_memory(&gguf, choice.n_ctx, kv_type)?;
+        (choice, None, None)
     };
+    let n_ctx = choice.n_ctx;
+    opts.ctx_size = Some(n_ctx);
     let unusable = disk_cache_args::unusable(&gguf);
     opts.disk_cache = args.disk_cache.config(&path, unusable, true)?;
     if args.spec.enabled() {

@@ -96,25 +96,21 @@ impl Session {
             return Err(load::no_template_error(&name));
         }
         let dspark_path = spec.and_then(|s| s.dspark.as_deref());
-        // One sequence: the KV cache holds the context (plus a spare block).
-        let choice =
-            runtime::load::context_choice(&gguf, args.ctx_size, args.kv_type.into(), |n| {
-                n + backend_cpu::DEFAULT_BLOCK_SIZE
-            })?;
-        if args.ctx_size.is_none() {
-            eprintln!("{name}: {}", choice.describe());
-        }
-        let args = &ModelArgs {
-            ctx_size: Some(choice.n_ctx),
-            ..args.clone()
-        };
+        // One sequence: the KV cache holds the context (plus a spare block); the default
+        // context is bounded by the memory of the device the model runs on.
         let crate::device::Loaded {
             backend,
             n_ctx,
+            context,
             n_vocab,
             dspark,
             device_name,
-        } = crate::device::backend(&gguf, args, &name, dspark_path)?;
+        } = crate::device::backend(&gguf, args, &name, dspark_path, &|n| {
+            n + backend_cpu::DEFAULT_BLOCK_SIZE
+        })?;
+        if args.ctx_size.is_none() {
+            eprintln!("{name}: {}", context.describe());
+        }
         let block = backend_cpu::DEFAULT_BLOCK_SIZE;
         let mut opts = runtime::ModelOptions {
             threads: args.threads(),

@@ -1707,6 +1707,79 @@ fn hc_weights(cfg: &Deepseek4Config, hc: &Hc, mix: &[f32], out: &mut [f32]) {
     }
 }
 
+/// The HC collapse of one row (ARCHITECTURE.md: `collapsed = fma(pre_j, h_j, ·)` over j in
+/// order): `out[i] = Σ_j pre[j]·h[j·d + i]` for the `pre.len()` streams of `h` (`d` each).
+fn hc_collapse(pre: &[f32], h: &[f32], d: usize, out: &mut [f32]) {
+    for (i, o) in out.iter_mut().enumerate() {
+        let mut acc = 0.0f32;
+        for (j, &p) in pre.iter().enumerate() {
+            acc = p.mul_add(h[j * d + i], acc);
+        }
+        *o = acc;
+    }
+}
+
+/// The HyperHead of `m` rows: from each row's mix (`N` values) the weights
+/// `pre_j = sigmoid(mix_j·scale_0 + base_j) + eps`, then the HC collapse of the row's
+/// streams in `h` into `out` (`D` values a row).
+fn hyper_head(
+    cx: &Cx<'_>,
+    hc: &Hc,
+    h: &[f32],
+    mix: &[f32],
+    out: &mut [f32],
+    m: usize,
+) -> Result<(), ModelError> {
+    let (n, d, eps) = (cx.cfg.hc_streams, cx.cfg.n_embd, cx.cfg.hc_eps);
+    let nd = n * d;
+    for_rows(cx.pool, &mut out[..m * d], d, |i, o| {
+        let mx = &mix[i * n..(i + 1) * n];
+        let pre: Vec<f32> = (0..n)
+            .map(|j| sigmoid(mx[j] * hc.scale[0] + hc.base[j]) + eps)
+            .collect();
+        hc_collapse(&pre, &h[i * nd..(i + 1) * nd], d, o);
+        Ok::<(), ModelError>(())
+    })
+}
+
+/// Attention of one query head `q` with a sink (ARCHITECTURE.md, attention per (row,
+/// head)): scores `dot(q, key(j))·scale` for `j` in `0..total` in order;
+/// `mx = max(sink, scores)`; `l = Σ exp(s_j − mx)` in that order, then `+ exp(sink − mx)`;
+/// `o = fma(e_j, key(j), o)` in that order (the key is the value); `o ·= 1/l`.
+fn sink_attention<'k>(
+    ops: RowOps,
+    q: &[f32],
+    scale: f32,
+    sink: f32,
+    total: usize,
+    key: impl Fn(usize) -> &'k [f32],
+    out: &mut [f32],
+) {
+    let mut sc = Vec::with_capacity(total);
+    let mut mx = sink;
+    for j in 0..total {
+        let v = ops.dot(q, key(j)).unwrap_or(f32::NAN) * scale;
+        if v > mx {
+            mx = v;
+        }
+        sc.push(v);
+    }
+    let mut l = 0.0f32;
+    out.fill(0.0);
+    for (j, &v) in sc.iter().enumerate() {
+        let e = canon::exp(v - mx);
+        l += e;
+        for (o, &x) in out.iter_mut().zip(key(j)) {
+            *o = e.mul_add(x, *o);
+        }
+    }
+    l += canon::exp(sink - mx);
+    let inv = 1.0 / l;
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
+}
+
 impl Deepseek4 {
     /// HC before a block: the weights of every row into `s.hcw` and the collapsed stream
     /// into `s.x`.
@@ -1739,15 +1812,7 @@ impl Deepseek4 {
         })?;
         let (h, hcw) = (&s.h, &s.hcw);
         for_rows(cx.pool, &mut s.x[..m * d], d, |r, out| {
-            let pre = &hcw[r * hw..r * hw + n];
-            let hr = &h[r * nd..(r + 1) * nd];
-            for (i, o) in out.iter_mut().enumerate() {
-                let mut acc = 0.0f32;
-                for j in 0..n {
-                    acc = pre[j].mul_add(hr[j * d + i], acc);
-                }
-                *o = acc;
-            }
+            hc_collapse(&hcw[r * hw..r * hw + n], &h[r * nd..(r + 1) * nd], d, out);
             Ok::<(), ModelError>(())
         })
     }
@@ -1967,29 +2032,7 @@ impl Deepseek4 {
                     }
                 };
                 let total = (t + 1 - lo) + comp_rows.len() + n_hca;
-                let mut sc = Vec::with_capacity(total);
-                let mut mx = sinks[h];
-                for j in 0..total {
-                    let v = ops.dot(qh, key(j)).unwrap_or(f32::NAN) * scale;
-                    if v > mx {
-                        mx = v;
-                    }
-                    sc.push(v);
-                }
-                let mut l = 0.0f32;
-                out.fill(0.0);
-                for (j, &v) in sc.iter().enumerate() {
-                    let e = canon::exp(v - mx);
-                    l += e;
-                    for (o, &x) in out.iter_mut().zip(key(j)) {
-                        *o = e.mul_add(x, *o);
-                    }
-                }
-                l += canon::exp(sinks[h] - mx);
-                let inv = 1.0 / l;
-                for o in out.iter_mut() {
-                    *o *= inv;
-                }
+                sink_attention(ops, qh, scale, sinks[h], total, key, out);
             });
         }
         self.attn_project(cx, s, a, m)
@@ -2222,23 +2265,7 @@ impl Deepseek4 {
             nl,
             &mut [(&hc.mix, &mut s.mix[..])],
         )?;
-        let (hh, mix) = (&s.head, &s.mix);
-        let eps = cfg.hc_eps;
-        for_rows(cx.pool, &mut s.x[..nl * d], d, |i, out| {
-            let mx = &mix[i * n..(i + 1) * n];
-            let pre: Vec<f32> = (0..n)
-                .map(|j| sigmoid(mx[j] * hc.scale[0] + hc.base[j]) + eps)
-                .collect();
-            let hr = &hh[i * nd..(i + 1) * nd];
-            for (c, o) in out.iter_mut().enumerate() {
-                let mut acc = 0.0f32;
-                for j in 0..n {
-                    acc = pre[j].mul_add(hr[j * d + c], acc);
-                }
-                *o = acc;
-            }
-            Ok::<(), ModelError>(())
-        })?;
+        hyper_head(cx, hc, &s.head, &s.mix, &mut s.x, nl)?;
         rms_rows(cx, &s.x, &self.output_norm, &mut s.xn, nl)?;
         logits.resize(nl * cfg.n_vocab, 0.0);
         matmul(

@@ -24,6 +24,7 @@
 
 pub mod constraint;
 pub mod load;
+pub mod memory;
 pub mod prompt;
 mod runtime;
 
@@ -68,6 +69,30 @@ pub enum LoadError {
     /// An option is out of range.
     #[error("{0}")]
     Options(String),
+    /// The memory a load needs (host RAM, or a CUDA device's memory) is not there.
+    #[error(
+        "not enough {memory}: the model needs about {needed_mib} MiB there (weights \
+         {weights_mib} MiB, KV cache {kv_mib} MiB, scratch {scratch_mib} MiB) but only \
+         {available_mib} MiB are available, {short_mib} MiB short; use a smaller context \
+         (-c) or model{}",
+        if matches!(memory, memory::MemoryKind::Device(_)) { ", or --device cpu" } else { "" }
+    )]
+    InsufficientMemory {
+        /// The memory that is short.
+        memory: memory::MemoryKind,
+        /// What the load needs there, MiB.
+        needed_mib: u64,
+        /// Weights, MiB.
+        weights_mib: u64,
+        /// KV cache, MiB.
+        kv_mib: u64,
+        /// Scratch buffers, MiB.
+        scratch_mib: u64,
+        /// What is available there, MiB.
+        available_mib: u64,
+        /// `needed_mib` less what is available, MiB (rounded up).
+        short_mib: u64,
+    },
 }
 
 impl From<model::ModelError> for LoadError {

@@ -11,6 +11,7 @@ use model::{KvType, LoadOptions, MemoryEstimate, Model};
 use text::Tokenizer;
 
 use crate::LoadError;
+use crate::memory::{MemoryBudget, MemoryKind, MemoryNeeds, Placement};
 
 /// Context length used when none is given and the file does not say how long a context
 /// the model was trained for.
@@ -59,12 +60,14 @@ pub enum ContextBound {
     Requested,
     /// The model's trained context (it fits in memory).
     Trained,
-    /// The trained context (`trained` tokens) did not fit in the memory available
-    /// (`available_mib`): the largest context that fits.
+    /// The trained context (`trained` tokens) did not fit in `memory` (`available_mib`
+    /// available there): the largest context that fits.
     Memory {
         /// The model's trained context.
         trained: usize,
-        /// `MemAvailable` in MiB.
+        /// The memory that bounded it (host RAM, or the CUDA device's).
+        memory: MemoryKind,
+        /// What that memory has available, in MiB.
         available_mib: u64,
     },
     /// The file does not say its trained context: [`DEFAULT_CTX`].
@@ -89,11 +92,18 @@ impl ContextChoice {
             ContextBound::Trained => format!("context {n}: the model's trained context"),
             ContextBound::Memory {
                 trained,
+                memory,
                 available_mib,
-            } => format!(
-                "context {n}: bounded by memory ({available_mib} MiB available; the model was \
-                 trained for {trained}; -c sets it)"
-            ),
+            } => {
+                let memory = match memory {
+                    MemoryKind::HostRam | MemoryKind::HostRamBeside(_) => "host RAM".to_string(),
+                    MemoryKind::Device(d) => format!("the memory of CUDA device {d}"),
+                };
+                format!(
+                    "context {n}: bounded by {memory} ({available_mib} MiB available; the \
+                     model was trained for {trained}; -c sets it)"
+                )
+            }
             ContextBound::Fallback => {
                 format!("context {n}: the model file does not give its trained context")
             }
@@ -105,7 +115,8 @@ impl ContextChoice {
 /// trained context); else the model's trained context when its memory estimate — with a
 /// KV cache of `kv_slots(n)` token slots for a context of `n` — fits in `MemAvailable`;
 /// else the largest multiple of 256 tokens that fits (at least 256); [`DEFAULT_CTX`] for
-/// files that do not give their trained context.
+/// files that do not give their trained context. For a CPU load; a CUDA load's context is
+/// bounded by the device's memory ([`context_choice_within`]).
 pub fn context_choice(
     gguf: &GgufFile,
     requested: Option<usize>,
@@ -117,17 +128,21 @@ pub fn context_choice(
         requested,
         kv_type,
         kv_slots,
-        model::available_memory(),
+        Placement::Cpu,
+        &MemoryBudget::host(),
     )
 }
 
-/// [`context_choice`] with the memory available given (`None`: unknown, no bound).
+/// [`context_choice`] for a load on `placement` with the memory of `budget` (unknown
+/// amounts bound nothing): the context is the largest whose [`MemoryNeeds`] pass
+/// [`MemoryNeeds::check`].
 pub fn context_choice_within(
     gguf: &GgufFile,
     requested: Option<usize>,
     kv_type: KvType,
     kv_slots: impl Fn(usize) -> usize,
-    available: Option<u64>,
+    placement: Placement,
+    budget: &MemoryBudget,
 ) -> Result<ContextChoice, LoadError> {
     let trained = trained_context(gguf);
     match (requested, trained) {
@@ -144,21 +159,24 @@ pub fn context_choice_within(
             bound: ContextBound::Fallback,
         }),
         (None, Some(t)) => {
-            let Some(available) = available else {
-                return Ok(ContextChoice {
-                    n_ctx: t,
-                    bound: ContextBound::Trained,
-                });
+            let check = |n: usize| -> Result<Result<(), LoadError>, LoadError> {
+                Ok(MemoryNeeds::for_model(gguf, kv_slots(n), kv_type, placement)?.check(budget))
             };
-            let fits = |n: usize| -> Result<bool, LoadError> {
-                Ok(MemoryEstimate::for_model(gguf, kv_slots(n), kv_type)?.total <= available)
+            let fits = |n: usize| -> Result<bool, LoadError> { Ok(check(n)?.is_ok()) };
+            let (memory, available_mib) = match check(t)? {
+                Ok(()) => {
+                    return Ok(ContextChoice {
+                        n_ctx: t,
+                        bound: ContextBound::Trained,
+                    });
+                }
+                Err(LoadError::InsufficientMemory {
+                    memory,
+                    available_mib,
+                    ..
+                }) => (memory, available_mib),
+                Err(e) => return Err(e),
             };
-            if fits(t)? {
-                return Ok(ContextChoice {
-                    n_ctx: t,
-                    bound: ContextBound::Trained,
-                });
-            }
             // The largest multiple of CTX_STEP below `t` that fits (binary search: the
             // estimate grows with the context).
             let (mut lo, mut hi) = (1usize, t / CTX_STEP);
@@ -179,25 +197,45 @@ pub fn context_choice_within(
                 n_ctx: (lo * CTX_STEP).min(t),
                 bound: ContextBound::Memory {
                     trained: t,
-                    available_mib: available >> 20,
+                    memory,
+                    available_mib,
                 },
             })
         }
     }
 }
 
-/// Compares what the model needs (weights, KV cache for `ctx_tokens`, scratch) with
-/// `MemAvailable` and refuses with the numbers when it does not fit.
+/// Compares what a CPU load of the model needs (weights, KV cache for `ctx_tokens`,
+/// scratch) with `MemAvailable` and refuses with the numbers when it does not fit.
 pub fn check_memory(
     gguf: &GgufFile,
     ctx_tokens: usize,
     kv_type: KvType,
 ) -> Result<MemoryEstimate, LoadError> {
-    let estimate = MemoryEstimate::for_model(gguf, ctx_tokens, kv_type)?;
-    if let Some(available) = model::available_memory() {
-        model::check_memory(&estimate, available)?;
-    }
-    Ok(estimate)
+    let needs = check_memory_on(
+        gguf,
+        ctx_tokens,
+        kv_type,
+        Placement::Cpu,
+        &MemoryBudget::host(),
+    )?;
+    Ok(needs.host)
+}
+
+/// The memory check for a load on `placement`: on CUDA the weights, KV cache and scratch
+/// against the device's free memory in `budget` and only what stays on the host against
+/// host RAM; on the CPU everything against host RAM. Refuses naming the memory that is
+/// short and by how much.
+pub fn check_memory_on(
+    gguf: &GgufFile,
+    ctx_tokens: usize,
+    kv_type: KvType,
+    placement: Placement,
+    budget: &MemoryBudget,
+) -> Result<MemoryNeeds, LoadError> {
+    let needs = MemoryNeeds::for_model(gguf, ctx_tokens, kv_type, placement)?;
+    needs.check(budget)?;
+    Ok(needs)
 }
 
 /// Whether `gguf` is a DeepSeek V4 file (run by [`model::Deepseek4`], not [`Model`]).
@@ -291,7 +329,12 @@ mod tests {
         let path = hub::ensure_model("smollm2-135m").unwrap();
         let gguf = open_gguf(&path).unwrap();
         let slots = |n: usize| 2 * n;
-        let plenty = context_choice_within(&gguf, None, KvType::F16, slots, Some(1 << 40));
+        let host = |bytes: u64| MemoryBudget {
+            host_available: Some(bytes),
+            device_free: None,
+        };
+        let cpu = Placement::Cpu;
+        let plenty = context_choice_within(&gguf, None, KvType::F16, slots, cpu, &host(1 << 40));
         assert_eq!(
             plenty.unwrap(),
             ContextChoice {
@@ -307,25 +350,90 @@ mod tests {
         };
         let available = need(2048) + (need(2304) - need(2048)) / 2;
         let bounded =
-            context_choice_within(&gguf, None, KvType::F16, slots, Some(available)).unwrap();
+            context_choice_within(&gguf, None, KvType::F16, slots, cpu, &host(available)).unwrap();
         assert_eq!(bounded.n_ctx, 2048, "{bounded:?}");
         assert!(matches!(
             bounded.bound,
-            ContextBound::Memory { trained: 8192, .. }
+            ContextBound::Memory {
+                trained: 8192,
+                memory: MemoryKind::HostRam,
+                ..
+            }
         ));
         assert!(
-            bounded.describe().contains("bounded by memory"),
+            bounded.describe().contains("bounded by host RAM"),
             "{}",
             bounded.describe()
         );
-        let asked = context_choice_within(&gguf, Some(1000), KvType::F16, slots, Some(1)).unwrap();
+        let asked =
+            context_choice_within(&gguf, Some(1000), KvType::F16, slots, cpu, &host(1)).unwrap();
         assert_eq!(asked.n_ctx, 1000);
-        let too_long = context_choice_within(&gguf, Some(9000), KvType::F16, slots, None);
+        let too_long = context_choice_within(
+            &gguf,
+            Some(9000),
+            KvType::F16,
+            slots,
+            cpu,
+            &MemoryBudget::default(),
+        );
         assert!(
             too_long
                 .unwrap_err()
                 .to_string()
                 .contains("trained context of 8192")
+        );
+    }
+
+    #[test]
+    fn a_cuda_context_is_bounded_by_device_memory_not_host_ram() {
+        let path = hub::ensure_model("smollm2-135m").unwrap();
+        let gguf = open_gguf(&path).unwrap();
+        let slots = |n: usize| n;
+        let gpu = Placement::Cuda(0);
+        let needs = |n: usize| MemoryNeeds::for_model(&gguf, n, KvType::F16, gpu).unwrap();
+        let device = |n: usize| needs(n).device.unwrap().total;
+        // The host keeps the embedding table and a logits row, whatever the context.
+        assert_eq!(needs(256).host, needs(8192).host);
+        let budget = MemoryBudget {
+            // Room for the host side only: far too little for a CPU load of the model.
+            host_available: Some(needs(8192).host.total),
+            device_free: Some(device(2048) + (device(2304) - device(2048)) / 2),
+        };
+        let cpu = check_memory_on(&gguf, 256, KvType::F16, Placement::Cpu, &budget);
+        assert!(
+            matches!(
+                cpu,
+                Err(LoadError::InsufficientMemory {
+                    memory: MemoryKind::HostRam,
+                    ..
+                })
+            ),
+            "{cpu:?}"
+        );
+        let choice = context_choice_within(&gguf, None, KvType::F16, slots, gpu, &budget).unwrap();
+        assert_eq!(choice.n_ctx, 2048, "{choice:?}");
+        assert!(matches!(
+            choice.bound,
+            ContextBound::Memory {
+                trained: 8192,
+                memory: MemoryKind::Device(0),
+                ..
+            }
+        ));
+        assert!(
+            choice
+                .describe()
+                .contains("bounded by the memory of CUDA device 0"),
+            "{}",
+            choice.describe()
+        );
+        assert!(check_memory_on(&gguf, 2048, KvType::F16, gpu, &budget).is_ok());
+        let short = check_memory_on(&gguf, 4096, KvType::F16, gpu, &budget)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            short.starts_with("not enough memory on CUDA device 0:"),
+            "{short}"
         );
     }
 }

@@ -31,13 +31,14 @@
 
 use super::{
     Attn, Cx, Deepseek4, Deepseek4Scratch, Ffn, Hc, Layer, Log, Moe, Routing, RowOps, V4Attention,
-    grow, load_ffn, load_hc, matmul, rms_pieces, rms_rows, rope_tail, sigmoid,
+    grow, hyper_head, load_ffn, load_hc, matmul, rms_pieces, rms_rows, rope_tail, sigmoid,
+    sink_attention,
 };
 use crate::ModelError;
 use crate::exec::for_rows;
 use crate::model::BatchRow;
 use crate::weights::{Loader, Matrix, TensorView};
-use backend_cpu::{NormWeight, canon};
+use backend_cpu::NormWeight;
 use gguf::GgufFile;
 use quant::dequantize_row;
 use std::sync::Arc;
@@ -577,23 +578,7 @@ impl Dspark {
             m,
             &mut [(&hc.mix, &mut s.mix[..])],
         )?;
-        let (hh, mix) = (&s.h, &s.mix);
-        let eps = tc.hc_eps;
-        for_rows(cx.pool, &mut s.x[..m * d], d, |i, o| {
-            let mx = &mix[i * n..(i + 1) * n];
-            let pre: Vec<f32> = (0..n)
-                .map(|j| sigmoid(mx[j] * hc.scale[0] + hc.base[j]) + eps)
-                .collect();
-            let hr = &hh[i * nd..(i + 1) * nd];
-            for (c, x) in o.iter_mut().enumerate() {
-                let mut acc = 0.0f32;
-                for j in 0..n {
-                    acc = pre[j].mul_add(hr[j * d + c], acc);
-                }
-                *x = acc;
-            }
-            Ok::<(), ModelError>(())
-        })?;
+        hyper_head(&cx, hc, &s.h, &s.mix, &mut s.x, m)?;
         out.anchor = anchor;
         out.pos = pos;
         out.hidden.clear();
@@ -677,30 +662,7 @@ impl Dspark {
                         &kv[b * hd..(b + 1) * hd]
                     }
                 };
-                let total = nw + m;
-                let mut sc = Vec::with_capacity(total);
-                let mut mx = sinks[h];
-                for j in 0..total {
-                    let v = ops.dot(qh, key(j)).unwrap_or(f32::NAN) * scale;
-                    if v > mx {
-                        mx = v;
-                    }
-                    sc.push(v);
-                }
-                let mut l = 0.0f32;
-                out.fill(0.0);
-                for (j, &v) in sc.iter().enumerate() {
-                    let e = canon::exp(v - mx);
-                    l += e;
-                    for (o, &x) in out.iter_mut().zip(key(j)) {
-                        *o = e.mul_add(x, *o);
-                    }
-                }
-                l += canon::exp(sinks[h] - mx);
-                let inv = 1.0 / l;
-                for o in out.iter_mut() {
-                    *o *= inv;
-                }
+                sink_attention(ops, qh, scale, sinks[h], nw + m, key, out);
             });
         }
         t.attn_project(cx, s, a, m)
