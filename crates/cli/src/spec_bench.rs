@@ -42,6 +42,9 @@ pub struct SpecBenchArgs {
     pub workloads: Vec<String>,
 }
 
+/// One generation: its tokens, decode tokens/s and speculation counters.
+type RunResult = (Vec<u32>, f64, Option<SpecStats>);
+
 /// One result row.
 #[derive(Debug, Clone, Serialize)]
 pub struct SpecBenchRow {
@@ -465,7 +468,7 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
         let mut plain: Option<(Vec<u32>, f64)> = None;
         // Repetitions interleave the drafters (plain, then each speculative set, then
         // again), so a change in the machine's load hits every row alike.
-        let mut bests: Vec<Option<(Vec<u32>, f64, Option<SpecStats>)>> = vec![None; configs.len()];
+        let mut bests: Vec<Option<RunResult>> = vec![None; configs.len()];
         for _ in 0..args.repetitions {
             for ((_, spec), best) in configs.iter().zip(bests.iter_mut()) {
                 // A fresh engine per run, with a fresh cross-request index: a repetition
