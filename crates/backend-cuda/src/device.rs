@@ -292,10 +292,9 @@ pub fn device_count() -> usize {
     CudaContext::device_count().map_or(0, |n| usize::try_from(n).unwrap_or(0))
 }
 
-/// The tensor-core prefill matmuls' default: off until their oracle tests have run on a
-/// GPU; `LOCKSTEP_CUDA_MMA=1` turns them on.
+/// The tensor-core prefill matmuls' default: on unless `LOCKSTEP_CUDA_MMA=0`.
 fn mma_default() -> bool {
-    std::env::var("LOCKSTEP_CUDA_MMA").is_ok_and(|v| v == "1")
+    std::env::var("LOCKSTEP_CUDA_MMA").map_or(true, |v| v != "0")
 }
 
 /// Compiles [`KERNEL_SOURCE`] with NVRTC for compute capability `cc` and returns the
@@ -478,9 +477,8 @@ impl Device {
     /// Turns the tensor-core prefill matmuls (`mmq_*`: Q4_K and Q6_K weights over 17 or
     /// more rows) on or off. They compute the same bits as the other matmul kernels (the
     /// same exact integer block sums, the same float steps in block order), so this only
-    /// changes speed; off by default until their oracle tests have run on a GPU
-    /// (`LOCKSTEP_CUDA_MMA=1` turns them on), and never on below compute capability 8.0 (no
-    /// int8 `mma` instruction there).
+    /// changes speed; on by default (`LOCKSTEP_CUDA_MMA=0` turns them off), and never on
+    /// below compute capability 8.0 (no int8 `mma` instruction there).
     pub fn set_mma(&self, on: bool) {
         self.mma.store(
             on && self.cc >= (8, 0),

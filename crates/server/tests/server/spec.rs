@@ -334,8 +334,8 @@ async fn speculation_true_on_a_plain_server_is_a_400_naming_the_field() {
     let e = crate::common::assert_error(s, &err, 400);
     assert_eq!(e["param"], "speculation", "{err}");
     assert!(
-        e["message"].as_str().unwrap().contains("--ngram"),
-        "the message says how to turn speculation on: {err}"
+        e["message"].as_str().unwrap().contains("on by default"),
+        "the message says speculation is on unless the server was started with --spec off: {err}"
     );
     let (s, _) = post(
         smol(),
