@@ -5,7 +5,8 @@
 //! ```
 //!
 //! Prints pp512 (and again with the tensor-core matmuls off, where the device has them:
-//! time and whether the logits are the same bits) and tg128 (tokens/s, medians of 3;
+//! time and whether the logits are the same bits; and with the many-row attention kernel
+//! off, likewise), pp2048 (with and without that kernel) and tg128 (tokens/s, medians of 3;
 //! tg128 chooses greedily on the device,
 //! again with the logits read back and the choice made on the host, and again as the
 //! engine does on CUDA: row summaries made on the device, the greedy token and its logprob
@@ -17,7 +18,7 @@
 //! for bit), with `--check-cpu` the logits of a short prompt against the CPU model, and with
 //! `--unordered` pp512 and tg128 again with the matmuls' block order left free (what the
 //! fixed order costs; those logits are not the canonical ones), and with `--profile` the
-//! kernels of one decode step (graphs off, a wait around each launch) at contexts 64 and
+//! kernels of a 512-row and a 2048-row prefill and of one decode step (graphs off, a wait around each launch) at contexts 64 and
 //! 512, summed by kernel. `--steps-only` runs a 64-token prefill and four decode steps
 //! without graphs and nothing else (for an external profiler such as `ncu`).
 
@@ -62,11 +63,16 @@ fn pp512(b: &mut lockstep_backend_cuda::CudaBackend, prompt: &[u32]) -> f64 {
 
 /// [`pp512`] with the last row's logits.
 fn pp512_logits(b: &mut lockstep_backend_cuda::CudaBackend, prompt: &[u32]) -> (f64, Vec<f32>) {
+    prefill_logits(b, &prompt[..512])
+}
+
+/// One forward of all of `prompt`'s rows, logits of the last (median of 3 after a warm-up).
+fn prefill_logits(b: &mut lockstep_backend_cuda::CudaBackend, prompt: &[u32]) -> (f64, Vec<f32>) {
     let mut logits = Vec::new();
     let mut pp = Vec::new();
     for rep in 0..4 {
         let s = b.kv_new();
-        b.kv_prepare(s, 0, 512).expect("prepare");
+        b.kv_prepare(s, 0, prompt.len()).expect("prepare");
         let t = Instant::now();
         b.forward(&rows(s, 0, prompt, false), &mut logits)
             .expect("forward");
@@ -234,7 +240,8 @@ fn main() {
     );
     b.init_kv(8192).expect("kv");
     let nv = b.n_vocab();
-    let prompt: Vec<u32> = (0..512u32).map(|i| (i * 7919 + 13) % nv as u32).collect();
+    let long: Vec<u32> = (0..2048u32).map(|i| (i * 7919 + 13) % nv as u32).collect();
+    let prompt = long[..512].to_vec();
     let mut logits = Vec::new();
     if args.iter().any(|a| a == "--steps-only") {
         // For an external profiler (ncu): a 64-token prefill, then 4 decode steps with
@@ -275,6 +282,43 @@ fn main() {
             pp_w * 1e3,
             pp_w / pp_t
         );
+    }
+    // The many-row attention kernel against the per-(row, head) tiled one (same bits).
+    let mut o = b.step_options();
+    if o.attn_rows {
+        o.attn_rows = false;
+        b.set_step_options(o);
+        let (pp_h, head_logits) = pp512_logits(&mut b, &prompt);
+        let (pp2_h, head_logits2) = prefill_logits(&mut b, &long);
+        o.attn_rows = true;
+        b.set_step_options(o);
+        let (pp_r, rows_logits) = pp512_logits(&mut b, &prompt);
+        let (pp2_r, rows_logits2) = prefill_logits(&mut b, &long);
+        let same = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .map(|v| v.to_bits())
+                .eq(b.iter().map(|v| v.to_bits()))
+        };
+        println!(
+            "pp512 many-row vs per-head attention kernels (same run): {:.1} / {:.1} ms ({:.2}x); \
+             the same logits: {}",
+            pp_r * 1e3,
+            pp_h * 1e3,
+            pp_h / pp_r,
+            same(&rows_logits, &head_logits) && same(&rows_logits, &pp_logits)
+        );
+        println!(
+            "pp2048: {:.1} ms, {:.0} tokens/s (per-head attention kernel: {:.1} ms, {:.2}x); \
+             the same logits: {}",
+            pp2_r * 1e3,
+            2048.0 / pp2_r,
+            pp2_h * 1e3,
+            pp2_h / pp2_r,
+            same(&rows_logits2, &head_logits2)
+        );
+    } else {
+        let (pp2, _) = prefill_logits(&mut b, &long);
+        println!("pp2048: {:.1} ms, {:.0} tokens/s", pp2 * 1e3, 2048.0 / pp2);
     }
     let tg_s = tg128(&mut b);
     let bound = b.model().weight_bytes() as f64 / HBM_BYTES_PER_S;
@@ -361,18 +405,20 @@ fn main() {
     }
 
     if profile {
-        // One 512-row prefill, kernel by kernel.
-        let s = b.kv_new();
-        b.kv_prepare(s, 0, 512).expect("prepare");
-        b.model().device().set_profile(true);
-        let t = Instant::now();
-        b.forward(&rows(s, 0, &prompt, false), &mut logits)
-            .expect("forward");
-        let wall = t.elapsed().as_secs_f64();
-        let rec = b.model().device().take_profile();
-        b.model().device().set_profile(false);
-        b.kv_release(s);
-        print_profile("one 512-row prefill", rec, wall);
+        // One 512-row and one 2048-row prefill, kernel by kernel.
+        for n in [512, 2048] {
+            let s = b.kv_new();
+            b.kv_prepare(s, 0, n).expect("prepare");
+            b.model().device().set_profile(true);
+            let t = Instant::now();
+            b.forward(&rows(s, 0, &long[..n], false), &mut logits)
+                .expect("forward");
+            let wall = t.elapsed().as_secs_f64();
+            let rec = b.model().device().take_profile();
+            b.model().device().set_profile(false);
+            b.kv_release(s);
+            print_profile(&format!("one {n}-row prefill"), rec, wall);
+        }
         for ctx in [64usize, 512] {
             let s = b.kv_new();
             b.kv_prepare(s, 0, ctx).expect("prepare");

@@ -151,6 +151,8 @@ const KERNELS: &[&str] = &[
     "copy_u16",
     "attention",
     "attention_tiled",
+    "attention_rows_64",
+    "attention_rows_128",
     "argmax_part",
     "argmax_rows",
     "matvec_q4_0",
@@ -185,6 +187,8 @@ const KERNELS: &[&str] = &[
 /// limit is raised for them at load).
 const LARGE_SMEM: &[&str] = &[
     "attention_tiled",
+    "attention_rows_64",
+    "attention_rows_128",
     "matvec_q4_0",
     "matvec_q4_0_rows",
     "matvec_q4_1",

@@ -263,8 +263,12 @@ struct Scratch {
     /// Row summaries ([`Device::row_summaries`]), `SUMMARY_STRIDE` values a row.
     sums: Buf<f64>,
     /// Row metadata, uploaded in one copy: positions (`rows`), the physical block each row
-    /// writes (`rows`), each row's offset into the block tables (`rows`), then the tables.
+    /// writes (`rows`), each row's offset into the block tables (`rows`), the row tiles of
+    /// the many-row attention kernel (`rows + 1`: tile starts, then the row count), then the
+    /// tables.
     meta: Buf<i32>,
+    /// Row tiles of this step for the many-row attention kernel (0: not used this step).
+    att_tiles: usize,
     generation: u64,
 }
 
@@ -296,7 +300,8 @@ impl Scratch {
             parts: ArgmaxParts::new(dev, rows)?,
             ex: dev.zeros(cfg.n_vocab)?,
             sums: dev.zeros(rows * SUMMARY_STRIDE)?,
-            meta: dev.zeros(3 * rows + 64)?,
+            meta: dev.zeros(4 * rows + 64)?,
+            att_tiles: 0,
             generation: next_generation(),
         })
     }
@@ -540,7 +545,7 @@ pub struct CudaBackend {
 
 /// Which kernels a step runs on. Every choice computes the same bits; the older ones stay
 /// selectable to measure what each newer one buys (`cuda_bench --ab`), from the environment
-/// (`LOCKSTEP_CUDA_MATVEC=0|1|2|3`, `LOCKSTEP_CUDA_ATT_TILED=0`) or
+/// (`LOCKSTEP_CUDA_MATVEC=0|1|2|3`, `LOCKSTEP_CUDA_ATT_TILED=0`, `LOCKSTEP_CUDA_ATT_ROWS=0`) or
 /// [`CudaBackend::set_step_options`]; [`StepOptions::for_model`] is the default.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepOptions {
@@ -554,6 +559,9 @@ pub struct StepOptions {
     /// Attention through the tiled kernel (K and V staged together, the next tile in
     /// flight) instead of the span kernel.
     pub attn_tiled: bool,
+    /// Steps of many rows (prefill chunks) through the many-row attention kernel (a CTA per
+    /// tile of rows and KV head) instead of a CTA per row and query head.
+    pub attn_rows: bool,
 }
 
 impl Default for StepOptions {
@@ -585,6 +593,7 @@ impl StepOptions {
             layer_style,
             head_style,
             attn_tiled: true,
+            attn_rows: true,
         }
     }
 
@@ -605,6 +614,7 @@ impl StepOptions {
             .unwrap_or(auto);
         let mut o = StepOptions::matvec_mode(mode);
         o.attn_tiled = std::env::var("LOCKSTEP_CUDA_ATT_TILED").map_or(true, |v| v != "0");
+        o.attn_rows = std::env::var("LOCKSTEP_CUDA_ATT_ROWS").map_or(true, |v| v != "0");
         o
     }
 }
@@ -863,17 +873,23 @@ impl CudaBackend {
             .as_mut()
             .ok_or_else(|| BackendError::Other("scratch".into()))?;
         let cap_rows = s.rows;
-        if s.meta.len() < 3 * cap_rows + tables.len() {
+        let tables_at = 4 * cap_rows + 1;
+        if s.meta.len() < tables_at + tables.len() {
             s.meta = dev
-                .zeros(3 * cap_rows + tables.len().next_power_of_two())
+                .zeros(tables_at + tables.len().next_power_of_two())
                 .map_err(be)?;
             s.generation = next_generation();
         }
-        let mut meta = vec![0i32; 3 * cap_rows + tables.len()];
+        let tiles = attention_row_tiles(&toff);
+        s.att_tiles = tiles.len() - 1;
+        let mut meta = vec![0i32; tables_at + tables.len()];
         meta[..m].copy_from_slice(&pos);
         meta[cap_rows..cap_rows + m].copy_from_slice(&phys);
         meta[2 * cap_rows..2 * cap_rows + m].copy_from_slice(&toff);
-        meta[3 * cap_rows..].copy_from_slice(&tables);
+        for (i, &t) in tiles.iter().enumerate() {
+            meta[3 * cap_rows + i] = i32_of("row tile", t).map_err(be)?;
+        }
+        meta[tables_at..].copy_from_slice(&tables);
         dev.write(&meta, &mut s.meta).map_err(be)?;
         // Embedding rows, dequantized on the host from the mapped file.
         let model = &self.model;
@@ -1032,7 +1048,7 @@ fn enqueue_rows(
             m,
         )?;
         rope_kv(dev, model, kv, s, li, m)?;
-        attention(dev, model, kv, s, li, m, opts.attn_tiled)?;
+        attention(dev, model, kv, s, li, m, opts.attn_tiled, opts.attn_rows)?;
         quantize_for(dev, &mut s.acts, cap, &[&l.wo], &s.attn, m)?;
         residual(dev, &s.acts, &l.wo, &s.attn, &mut s.x, &mut s.proj, m)?;
         // Feed-forward block: norm + quantize, gate and up with SwiGLU, down added to the
@@ -1150,8 +1166,61 @@ fn attention_tile(hd: usize, bsz: usize, m: usize, limit: usize) -> usize {
     (keys / bsz * bsz).max(bsz)
 }
 
-/// Attention of the step's rows over layer `li`'s cache into `s.attn`: the tiled kernel,
-/// or with `tiled` off the span kernel (the same bits either way).
+/// Rows per CTA of the many-row attention kernel (`ATTR_ROWS` in `kernels.cu`).
+const ATTR_ROWS: usize = 4;
+/// Most query heads per KV head (`ATTR_MAXG`) and key chunks per tile (`ATTR_MAXC`) the
+/// many-row attention kernel holds.
+const ATTR_MAXG: usize = 8;
+const ATTR_MAXC: usize = 8;
+/// u16 padding per staged K/V row of the many-row attention kernel (`ATTR_PAD`).
+const ATTR_PAD: usize = 16;
+
+/// The row tiles of the many-row attention kernel for rows with block-table offsets
+/// `toff` (one offset per sequence): runs of consecutive rows of one sequence, at most
+/// [`ATTR_ROWS`] each, as the list of tile starts followed by the row count.
+fn attention_row_tiles(toff: &[i32]) -> Vec<usize> {
+    let mut tiles = Vec::with_capacity(toff.len() + 1);
+    for (r, &t) in toff.iter().enumerate() {
+        let start = tiles.last().copied();
+        if start.is_none_or(|s0: usize| toff[s0] != t || r - s0 == ATTR_ROWS) {
+            tiles.push(r);
+        }
+    }
+    tiles.push(toff.len());
+    tiles
+}
+
+/// The many-row attention kernel for this step, with its keys per tile, when it applies:
+/// steps of more than [`GRAPH_MAX_ROWS`] rows (never captured: the tile list is not part of
+/// a graph's key) averaging at least two rows per tile, head dimension 64 or 128, at most
+/// [`ATTR_MAXG`] query heads per KV head.
+fn attention_rows_kernel(
+    cfg: &Config,
+    bsz: usize,
+    m: usize,
+    tiles: usize,
+) -> Option<(&'static str, usize)> {
+    let name = match cfg.head_dim {
+        64 => "attention_rows_64",
+        128 => "attention_rows_128",
+        _ => return None,
+    };
+    let g = cfg.n_head.checked_div(cfg.n_head_kv)?;
+    // Keys per tile: whole KV blocks, at least 32.
+    let tk = bsz * 32usize.div_ceil(bsz);
+    let ok = m > GRAPH_MAX_ROWS
+        && tiles > 0
+        && 2 * tiles <= m
+        && cfg.n_head.is_multiple_of(cfg.n_head_kv)
+        && (1..=ATTR_MAXG).contains(&g)
+        && tk / bsz <= ATTR_MAXC;
+    ok.then_some((name, tk))
+}
+
+/// Attention of the step's rows over layer `li`'s cache into `s.attn`: the many-row
+/// kernel for prefill-sized steps (with `rows` on), else the tiled kernel, or with `tiled`
+/// off the span kernel (the same bits in every case).
+#[allow(clippy::too_many_arguments)]
 fn attention(
     dev: &Device,
     model: &CudaModel,
@@ -1160,10 +1229,42 @@ fn attention(
     li: usize,
     m: usize,
     tiled: bool,
+    rows: bool,
 ) -> Result<(), CudaError> {
     let cfg = &model.cfg;
     let hd = cfg.head_dim;
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
+    if let Some((name, tk)) = attention_rows_kernel(cfg, kv.bsz, m, s.att_tiles).filter(|_| rows) {
+        let smem = 4 * tk * (hd + ATTR_PAD) * 2 + ATTR_ROWS * tk * ATTR_MAXG * 4;
+        let args = [
+            Arg::Ptr(dev.ptr(&s.q, 0)),
+            Arg::Ptr(dev.ptr(&kv.k[li], 0)),
+            Arg::Ptr(dev.ptr(&kv.v[li], 0)),
+            Arg::Ptr(dev.ptr(&s.attn, 0)),
+            Arg::Ptr(dev.ptr(&s.meta, 0)),
+            Arg::Ptr(dev.ptr(&s.meta, 2 * s.rows)),
+            Arg::Ptr(dev.ptr(&s.meta, 4 * s.rows + 1)),
+            Arg::Ptr(dev.ptr(&s.meta, 3 * s.rows)),
+            Arg::I32(s.att_tiles as i32),
+            Arg::I32(cfg.n_head as i32),
+            Arg::I32(cfg.n_head_kv as i32),
+            Arg::I32(kv.bsz as i32),
+            Arg::F32(scale),
+            Arg::I32(tk as i32),
+        ];
+        let grid = (
+            u32::try_from(s.att_tiles).unwrap_or(u32::MAX),
+            u32::try_from(cfg.n_head_kv).unwrap_or(u32::MAX),
+            1,
+        );
+        return dev.launch_smem(
+            name,
+            grid,
+            ((ATTR_ROWS * 32) as u32, 1, 1),
+            u32::try_from(smem).unwrap_or(u32::MAX),
+            &args,
+        );
+    }
     let mut args = vec![
         Arg::Ptr(dev.ptr(&s.q, 0)),
         Arg::Ptr(dev.ptr(&kv.k[li], 0)),
@@ -1171,7 +1272,7 @@ fn attention(
         Arg::Ptr(dev.ptr(&s.attn, 0)),
         Arg::Ptr(dev.ptr(&s.meta, 0)),
         Arg::Ptr(dev.ptr(&s.meta, 2 * s.rows)),
-        Arg::Ptr(dev.ptr(&s.meta, 3 * s.rows)),
+        Arg::Ptr(dev.ptr(&s.meta, 4 * s.rows + 1)),
         Arg::I32(cfg.n_head as i32),
         Arg::I32(cfg.n_head_kv as i32),
         Arg::I32(hd as i32),
@@ -1256,7 +1357,7 @@ fn enqueue_decode(
             )?;
         }
         rope_kv(dev, model, kv, s, li, 1)?;
-        attention(dev, model, kv, s, li, 1, opts.attn_tiled)?;
+        attention(dev, model, kv, s, li, 1, opts.attn_tiled, false)?;
         dev.matvec(
             &[(&l.wo, xp, None)],
             MvInput::Row(dev.ptr(&s.attn, 0), None),

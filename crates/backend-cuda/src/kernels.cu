@@ -1948,6 +1948,220 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_tiled(
     }
 }
 
+// Attention for many rows of one sequence (prefill chunks): the same arithmetic as
+// `attention` (per (row, query head): chunks ending at block boundaries in position order,
+// the CPU's online softmax, canon's 16-lane dot and tree16 for every score), organised so
+// that each K and V row staged in shared memory serves several rows and every query head
+// of its KV head:
+//   - a CTA takes a tile of up to ATTR_ROWS consecutive rows of one sequence (`tiles`, the
+//     host's list of tile starts, ntiles + 1 entries; a tile's rows share a block table)
+//     and one KV head (blockIdx.y); warp w is the tile's row w with its G = n_head / n_kv
+//     query heads; tiles are taken last first (the longest rows start first);
+//   - keys go in tiles of tk positions (whole KV blocks), K and V copied by cp.async into
+//     one of two buffers, the next tile's copies in flight while the current one is worked;
+//   - scores: lane L holds lane L % 16 of canon's dot (elements i = L % 16 + 16 u in order,
+//     its q elements in registers) for key j0 + L / 16 and all G heads; tree16 by shuffles;
+//   - chunk maxima and the running max with its rescale factors (lane g for head g, chunk
+//     by chunk; a max is exact in any order), the exponentials (lanes over keys), the
+//     running sum l (lane g, key by key) and the V accumulators (lane L holds dimensions
+//     [HD/32 L, HD/32 (L + 1)) of every head, key by key).
+// Each (row, head, dimension) goes through the operations of `attention`, in its order, so
+// the bits are the same.
+// Dynamic shared memory: two buffers of (K, V) tiles of tk rows of HD + ATTR_PAD u16, then
+// the scores/exponentials, ATTR_ROWS * tk * ATTR_MAXG floats.
+#define ATTR_ROWS 4
+#define ATTR_MAXG 8
+#define ATTR_MAXC 8
+#define ATTR_PAD 16
+template <int HD>
+__device__ __forceinline__ void attention_rows_impl(
+    const float* q, const u16* kc, const u16* vc, float* out, const int* pos, const int* table_off,
+    const int* tables, const int* tiles, int ntiles, int n_head, int n_kv, int bsz, float scale,
+    int tk) {
+    constexpr int CL = HD / 16;        // elements per canon lane of a dot
+    constexpr int DPT = HD / 32;       // V dimensions per lane
+    constexpr int RS = HD + ATTR_PAD;  // staged row stride (u16): half-warps on other banks
+    extern __shared__ __align__(16) u16 s_kv[];
+    __shared__ float s_m[ATTR_ROWS][ATTR_MAXC][ATTR_MAXG];
+    __shared__ float s_alpha[ATTR_ROWS][ATTR_MAXC][ATTR_MAXG];
+    const float NEG_INF = __uint_as_float(0xff800000u);
+    int tile = ntiles - 1 - (int)blockIdx.x;
+    int r0 = tiles[tile], nr = tiles[tile + 1] - r0;
+    int kvh = blockIdx.y;
+    int G = n_head / n_kv;
+    int t = threadIdx.x, w = t >> 5, L = t & 31, c16 = L & 15;
+    int has_row = w < nr;
+    int r = r0 + (has_row ? w : 0);
+    int p = has_row ? pos[r] : -1;
+    int pmax = 0;
+    for (int i = 0; i < nr; i++) pmax = max(pmax, pos[r0 + i]);
+    const int* tab = tables + table_off[r0];
+    size_t tile_elems = (size_t)tk * RS;
+    float* s_e = (float*)(s_kv + 4 * tile_elems) + (size_t)w * tk * ATTR_MAXG;
+    // Queues key tile ts's K and V rows into buffer slot, then closes a copy group (an empty
+    // one past the last tile).
+    auto issue = [&](int ts, int slot) {
+        if (ts <= pmax) {
+            int nk = min(tk, pmax + 1 - ts);
+            u16* sk = s_kv + (size_t)slot * 2 * tile_elems;
+            u16* sv = sk + tile_elems;
+            const int n16_row = HD / 8;
+            int n16 = nk * n16_row;
+            for (int i = t; i < n16; i += blockDim.x) {
+                int j = i / n16_row, piece = i % n16_row;
+                int key = ts + j;
+                size_t row = (((size_t)tab[key / bsz] * n_kv + kvh) * bsz + key % bsz) * HD + 8 * piece;
+                cp_async16(sk + (size_t)j * RS + 8 * piece, kc + row);
+                cp_async16(sv + (size_t)j * RS + 8 * piece, vc + row);
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    issue(0, 0);
+    float qr[ATTR_MAXG][CL];
+#pragma unroll
+    for (int g = 0; g < ATTR_MAXG; g++) {
+        const float* qh = q + ((size_t)r * n_head + kvh * G + g) * HD + c16;
+#pragma unroll
+        for (int u = 0; u < CL; u++) qr[g][u] = (has_row && g < G) ? qh[16 * u] : 0.0f;
+    }
+    float acc[ATTR_MAXG][DPT];
+#pragma unroll
+    for (int g = 0; g < ATTR_MAXG; g++)
+#pragma unroll
+        for (int d = 0; d < DPT; d++) acc[g][d] = 0.0f;
+    float m = NEG_INF;  // lane g's: head g's running max
+    float l = 0.0f;     // lane g's: head g's running sum
+    int slot = 0;
+    for (int ts = 0; ts <= pmax; ts += tk) {
+        issue(ts + tk, slot ^ 1);
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncthreads();
+        const u16* sk = s_kv + (size_t)slot * 2 * tile_elems;
+        const u16* sv = sk + tile_elems;
+        if (ts <= p) {
+            int nk = min(tk, p + 1 - ts);
+            int nc = (nk + bsz - 1) / bsz;
+            // 1. scores: two keys per pass, every head.
+            for (int j0 = 0; j0 < nk; j0 += 2) {
+                int j = j0 + (L >> 4);
+                const u16* kr = sk + (size_t)min(j, nk - 1) * RS + c16;
+                float kv[CL];
+#pragma unroll
+                for (int u = 0; u < CL; u++) kv[u] = f16_to_f32(kr[16 * u]);
+#pragma unroll
+                for (int g = 0; g < ATTR_MAXG; g++) {
+                    if (g < G) {
+                        float pa = 0.0f;
+#pragma unroll
+                        for (int u = 0; u < CL; u++) pa = fmaf(qr[g][u], kv[u], pa);
+                        float sum = tree16(pa);
+                        if (c16 == 0 && j < nk) s_e[j * ATTR_MAXG + g] = __fmul_rn(sum, scale);
+                    }
+                }
+            }
+            __syncwarp();
+            // 2. chunk maxima, then the running max chunk by chunk (lane g, head g).
+            if (L < G) {
+                for (int c = 0; c < nc; c++) {
+                    int a = c * bsz, e = min(a + bsz, nk);
+                    float cm = NEG_INF;
+                    for (int j = a; j < e; j++) {
+                        float xv = s_e[j * ATTR_MAXG + L];
+                        cm = xv > cm ? xv : cm;
+                    }
+                    float m_new = cm > m ? cm : m;
+                    float alpha = 0.0f;
+                    int moved = m_new != m;
+                    if (moved) alpha = canon_exp(__fsub_rn(m, m_new));
+                    m = m_new;
+                    s_m[w][c][L] = m;
+                    s_alpha[w][c][L] = moved ? alpha : __uint_as_float(0x7fc00000u);
+                }
+            }
+            __syncwarp();
+            // 3. e[j] = exp(s[j] - m of j's chunk).
+            for (int j = L; j < nk; j += 32) {
+                int c = j / bsz;
+#pragma unroll
+                for (int g = 0; g < ATTR_MAXG; g++)
+                    if (g < G) s_e[j * ATTR_MAXG + g] = canon_exp(__fsub_rn(s_e[j * ATTR_MAXG + g], s_m[w][c][g]));
+            }
+            __syncwarp();
+            // 4. the chains in key order: l in lane g, the V accumulators in every lane.
+            if (L < G) {
+                for (int c = 0; c < nc; c++) {
+                    float al = s_alpha[w][c][L];
+                    if (al == al) l = __fmul_rn(l, al);
+                    int e = min(c * bsz + bsz, nk);
+                    for (int j = c * bsz; j < e; j++) l = __fadd_rn(l, s_e[j * ATTR_MAXG + L]);
+                }
+            }
+            for (int c = 0; c < nc; c++) {
+#pragma unroll
+                for (int g = 0; g < ATTR_MAXG; g++) {
+                    float al = s_alpha[w][c][g];
+                    if (g < G && al == al) {
+#pragma unroll
+                        for (int d = 0; d < DPT; d++) acc[g][d] = __fmul_rn(acc[g][d], al);
+                    }
+                }
+                int e = min(c * bsz + bsz, nk);
+                for (int j = c * bsz; j < e; j++) {
+                    const u16* vr = sv + (size_t)j * RS + DPT * L;
+                    float vv[DPT];
+                    if (DPT == 4) {
+                        uint2 x = *(const uint2*)vr;
+                        vv[0] = f16_to_f32((u16)(x.x & 0xffffu));
+                        vv[1] = f16_to_f32((u16)(x.x >> 16));
+                        vv[DPT > 2 ? 2 : 0] = f16_to_f32((u16)(x.y & 0xffffu));
+                        vv[DPT > 3 ? 3 : 0] = f16_to_f32((u16)(x.y >> 16));
+                    } else {
+#pragma unroll
+                        for (int d = 0; d < DPT; d++) vv[d] = f16_to_f32(vr[d]);
+                    }
+                    const float4* ep = (const float4*)(s_e + j * ATTR_MAXG);
+                    float4 e0 = ep[0], e1 = ep[1];
+                    float ev[8] = {e0.x, e0.y, e0.z, e0.w, e1.x, e1.y, e1.z, e1.w};
+#pragma unroll
+                    for (int g = 0; g < ATTR_MAXG; g++) {
+                        if (g < G) {
+#pragma unroll
+                            for (int d = 0; d < DPT; d++) acc[g][d] = fmaf(ev[g], vv[d], acc[g][d]);
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the buffer just read is the next issue's target
+        slot ^= 1;
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    if (has_row) {
+#pragma unroll
+        for (int g = 0; g < ATTR_MAXG; g++) {
+            float lg = __shfl_sync(0xffffffffu, l, g);
+            if (g < G) {
+                float inv = __fdiv_rn(1.0f, lg);
+                float* o = out + ((size_t)r * n_head + kvh * G + g) * HD + DPT * L;
+#pragma unroll
+                for (int d = 0; d < DPT; d++) o[d] = __fmul_rn(acc[g][d], inv);
+            }
+        }
+    }
+}
+
+#define ATTENTION_ROWS(HD)                                                                         \
+    extern "C" __global__ void __launch_bounds__(ATTR_ROWS * 32) attention_rows_##HD(              \
+        const float* q, const u16* kc, const u16* vc, float* out, const int* pos,                  \
+        const int* table_off, const int* tables, const int* tiles, int ntiles, int n_head,         \
+        int n_kv, int bsz, float scale, int tk) {                                                  \
+        attention_rows_impl<HD>(q, kc, vc, out, pos, table_off, tables, tiles, ntiles, n_head,     \
+                                n_kv, bsz, scale, tk);                                             \
+    }
+ATTENTION_ROWS(64)
+ATTENTION_ROWS(128)
+
 // ---- on-device choice ---------------------------------------------------------------
 
 // Greedy choice per row: the index of the largest logit, ties to the lowest id; NaN never

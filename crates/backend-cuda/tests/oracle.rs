@@ -509,6 +509,82 @@ fn prefill_with_tensor_cores_matches_cpu_model_bit_for_bit() {
 }
 
 #[test]
+fn many_row_attention_matches_cpu_over_head_shapes_and_batches() {
+    // Steps of more than 16 rows take the many-row attention kernel (a CTA per tile of up to
+    // four rows of one sequence and one KV head, every query head of that KV head in one
+    // warp): head dimensions 128 and 64, 1 to 8 query heads per KV head, rows tiles cut at
+    // sequence boundaries in a step that prefills two sequences at once, and prompt chunks
+    // that start inside a KV block. Both kernels must give the CPU model's bits.
+    let shapes = [
+        (768, 6, 1, "rows-hd128-g6"),
+        (512, 8, 1, "rows-hd64-g8"),
+        (448, 7, 1, "rows-hd64-g7"),
+        (512, 4, 4, "rows-hd128-g1"),
+    ];
+    for (n_embd, n_head, n_head_kv, tag) in shapes {
+        let shape = TinyShape {
+            n_layer: 2,
+            n_embd,
+            n_ff: 512,
+            n_head,
+            n_head_kv,
+            n_vocab: 320,
+            n_ctx: 512,
+        };
+        let spec = tiny_spec("qwen2", shape, GgmlType::Q8_0, Some(GgmlType::Q8_0));
+        let dir = std::env::temp_dir().join(format!("lockstep-cuda-oracle-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("{tag}.gguf"));
+        write_model(&spec, 42, &path).unwrap();
+        let g = Arc::new(GgufFile::open(&path).unwrap());
+        let mut cpu = cpu_backend(&g);
+        let (ta, tb, tc) = (tokens(150, 31), tokens(45, 32), tokens(38, 33));
+        let (ca, cb, cc) = (cpu.kv_new(), cpu.kv_new(), cpu.kv_new());
+        let la = run_chunks(&mut cpu, ca, 0, &ta, 150);
+        let lb = run_chunks(&mut cpu, cb, 0, &tb, 45);
+        let lc = run_chunks(&mut cpu, cc, 0, &tc, 38);
+        for rows_kernel in [true, false] {
+            let mut gpu = cuda_backend(&g);
+            let mut o = gpu.step_options();
+            o.attn_rows = rows_kernel;
+            gpu.set_step_options(o);
+            let what = format!("{tag} (many-row kernel {rows_kernel})");
+            // One sequence: 37 rows, then 113 (starting inside a block).
+            let sa = gpu.kv_new();
+            let mut lg = run_chunks(&mut gpu, sa, 0, &ta[..37], 37);
+            lg.extend(run_chunks(&mut gpu, sa, 37, &ta[37..], 113));
+            for (p, (a, b)) in lg.iter().zip(&la).enumerate() {
+                assert!(b.iter().all(|v| v.is_finite()), "{what}: cpu logits finite");
+                assert_bits_eq(&format!("{what} position {p}"), a, b);
+            }
+            // Two sequences in one step: 45 rows of one, then 38 of the other.
+            let (sb, sc) = (gpu.kv_new(), gpu.kv_new());
+            gpu.kv_prepare(sb, 0, tb.len()).unwrap();
+            gpu.kv_prepare(sc, 0, tc.len()).unwrap();
+            let rows: Vec<ForwardRow> = tb
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| (sb, t, i))
+                .chain(tc.iter().enumerate().map(|(i, &t)| (sc, t, i)))
+                .map(|(slot, token, pos)| ForwardRow {
+                    slot,
+                    token,
+                    pos,
+                    wants_logits: true,
+                })
+                .collect();
+            let mut logits = Vec::new();
+            gpu.forward(&rows, &mut logits).unwrap();
+            let nv = gpu.n_vocab();
+            let got: Vec<&[f32]> = logits.chunks_exact(nv).collect();
+            for (i, want) in lb.iter().chain(&lc).enumerate() {
+                assert_bits_eq(&format!("{what} batched row {i}"), got[i], want);
+            }
+        }
+    }
+}
+
+#[test]
 fn attention_past_one_span_matches_cpu() {
     // The attention kernel scores 2048 keys per span; a context of 2,300 positions takes
     // two spans, with the running max, sum and accumulators carried across.
