@@ -11,6 +11,7 @@ the script may (root), so the restore reads from the device. Nothing leaves this
 
   bench/disk_cache_ttft.py --model qwen2.5-coder-1.5b --tokens 8000
   bench/disk_cache_ttft.py --model qwen2.5-coder-0.5b --tokens 2000 --lockstep target/release/lockstep
+  bench/disk_cache_ttft.py --model model.gguf --tokens 8000 --device cuda --lockstep BIN/lockstep
 """
 
 import argparse
@@ -111,7 +112,7 @@ def get(port, path):
 
 
 def start(args, cache_dir, port):
-    cmd = [args.lockstep, "serve", "-m", args.model, "--port", str(port), "--device", "cpu",
+    cmd = [args.lockstep, "serve", "-m", args.model, "--port", str(port), "--device", args.device,
            "--ctx-size", str(args.ctx), "--disk-cache", cache_dir]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = p.stdout.readline()
@@ -168,6 +169,7 @@ def main():
     ap.add_argument("--port", type=int, default=18431)
     ap.add_argument("--lockstep", default="target/release/lockstep")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per request")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the server's --device)")
     args = ap.parse_args()
     # About 10 tokens per tool-definition line, 55 per section: aim for --tokens.
     n_tools = max(4, args.tokens // 400)

@@ -151,8 +151,6 @@ const KERNELS: &[&str] = &[
     "copy_u16",
     "attention",
     "attention_tiled",
-    "attention_rows_64",
-    "attention_rows_128",
     "argmax_part",
     "argmax_rows",
     "matvec_q4_0",
@@ -187,8 +185,6 @@ const KERNELS: &[&str] = &[
 /// limit is raised for them at load).
 const LARGE_SMEM: &[&str] = &[
     "attention_tiled",
-    "attention_rows_64",
-    "attention_rows_128",
     "matvec_q4_0",
     "matvec_q4_0_rows",
     "matvec_q4_1",
@@ -250,6 +246,12 @@ const PDL: &[&str] = &[
     "matvec_q5_k_q6_k",
     "matvec_q5_k_q6_k_rows",
 ];
+
+/// Whether kernel `name` may take more than 48 KiB of dynamic shared memory: the
+/// [`LARGE_SMEM`] kernels and the many-row attention kernels.
+fn large_smem(name: &str) -> bool {
+    LARGE_SMEM.contains(&name) || name.starts_with("attention_rows_")
+}
 
 /// Static shared memory the [`LARGE_SMEM`] kernels declare themselves, at most (bytes):
 /// their dynamic share is the opt-in limit less this.
@@ -402,7 +404,10 @@ impl Device {
         let optin = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let smem_optin = optin.saturating_sub(LARGE_SMEM_STATIC).max(48 * 1024);
         let mut funcs = HashMap::new();
-        for &k in KERNELS {
+        let attention_rows = crate::forward::ATTENTION_ROWS_64
+            .iter()
+            .chain(&crate::forward::ATTENTION_ROWS_128);
+        for &k in KERNELS.iter().chain(attention_rows) {
             let name_c = std::ffi::CString::new(k).map_err(|_| CudaError::Driver(k.into()))?;
             let mut f: sys::CUfunction = std::ptr::null_mut();
             // SAFETY: `module` is loaded; `name_c` is NUL-terminated.
@@ -410,7 +415,7 @@ impl Device {
                 .result()
                 .map_err(|e| drv(&format!("kernel {k}"), e))
                 .and_then(|()| {
-                    if LARGE_SMEM.contains(&k) && smem_optin > 48 * 1024 {
+                    if large_smem(k) && smem_optin > 48 * 1024 {
                         // SAFETY: `f` is a function of the loaded module.
                         unsafe {
                             sys::cuFuncSetAttribute(
@@ -719,7 +724,7 @@ impl Device {
         smem: u32,
         args: &[Arg],
     ) -> Result<(), CudaError> {
-        let limit = if LARGE_SMEM.contains(&name) {
+        let limit = if large_smem(name) {
             self.smem_optin
         } else {
             48 * 1024

@@ -1172,8 +1172,30 @@ const ATTR_ROWS: usize = 4;
 /// many-row attention kernel holds.
 const ATTR_MAXG: usize = 8;
 const ATTR_MAXC: usize = 8;
-/// u16 padding per staged K/V row of the many-row attention kernel (`ATTR_PAD`).
+/// f32 padding per K row of the many-row attention kernel's tile (`ATTR_PAD`).
 const ATTR_PAD: usize = 16;
+/// The many-row attention kernels by query heads per KV head (1..=8), head dimension 64.
+pub(crate) const ATTENTION_ROWS_64: [&str; ATTR_MAXG] = [
+    "attention_rows_64_1",
+    "attention_rows_64_2",
+    "attention_rows_64_3",
+    "attention_rows_64_4",
+    "attention_rows_64_5",
+    "attention_rows_64_6",
+    "attention_rows_64_7",
+    "attention_rows_64_8",
+];
+/// The same for head dimension 128.
+pub(crate) const ATTENTION_ROWS_128: [&str; ATTR_MAXG] = [
+    "attention_rows_128_1",
+    "attention_rows_128_2",
+    "attention_rows_128_3",
+    "attention_rows_128_4",
+    "attention_rows_128_5",
+    "attention_rows_128_6",
+    "attention_rows_128_7",
+    "attention_rows_128_8",
+];
 
 /// The row tiles of the many-row attention kernel for rows with block-table offsets
 /// `toff` (one offset per sequence): runs of consecutive rows of one sequence, at most
@@ -1200,12 +1222,13 @@ fn attention_rows_kernel(
     m: usize,
     tiles: usize,
 ) -> Option<(&'static str, usize)> {
-    let name = match cfg.head_dim {
-        64 => "attention_rows_64",
-        128 => "attention_rows_128",
+    let g = cfg.n_head.checked_div(cfg.n_head_kv)?;
+    let names = match cfg.head_dim {
+        64 => &ATTENTION_ROWS_64,
+        128 => &ATTENTION_ROWS_128,
         _ => return None,
     };
-    let g = cfg.n_head.checked_div(cfg.n_head_kv)?;
+    let name = *names.get(g.checked_sub(1)?)?;
     // Keys per tile: whole KV blocks, at least 32.
     let tk = bsz * 32usize.div_ceil(bsz);
     let ok = m > GRAPH_MAX_ROWS
@@ -1235,7 +1258,11 @@ fn attention(
     let hd = cfg.head_dim;
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     if let Some((name, tk)) = attention_rows_kernel(cfg, kv.bsz, m, s.att_tiles).filter(|_| rows) {
-        let smem = 4 * tk * (hd + ATTR_PAD) * 2 + ATTR_ROWS * tk * ATTR_MAXG * 4;
+        // Two f16 (K, V) buffers, the f32 K and V tiles, the scores.
+        let smem = 4 * tk * hd * 2
+            + tk * (hd + ATTR_PAD) * 4
+            + tk * hd * 4
+            + ATTR_ROWS * tk * ATTR_MAXG * 4;
         let args = [
             Arg::Ptr(dev.ptr(&s.q, 0)),
             Arg::Ptr(dev.ptr(&kv.k[li], 0)),

@@ -1956,31 +1956,35 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_tiled(
 //   - a CTA takes a tile of up to ATTR_ROWS consecutive rows of one sequence (`tiles`, the
 //     host's list of tile starts, ntiles + 1 entries; a tile's rows share a block table)
 //     and one KV head (blockIdx.y); warp w is the tile's row w with its G = n_head / n_kv
-//     query heads; tiles are taken last first (the longest rows start first);
-//   - keys go in tiles of tk positions (whole KV blocks), K and V copied by cp.async into
-//     one of two buffers, the next tile's copies in flight while the current one is worked;
+//     query heads (G a template parameter); tiles are taken last first (the longest rows
+//     start first);
+//   - keys go in tiles of tk positions (whole KV blocks): K and V copied by cp.async into
+//     one of two f16 buffers, the next tile's copies in flight while the current one is
+//     worked, and each tile converted once to f32 in shared memory for all rows;
 //   - scores: lane L holds lane L % 16 of canon's dot (elements i = L % 16 + 16 u in order,
-//     its q elements in registers) for key j0 + L / 16 and all G heads; tree16 by shuffles;
+//     its q elements in registers) for keys j0 + L / 16 and j0 + 2 + L / 16, every head; the
+//     tree16 steps by shuffles, all of a pass's sums side by side;
 //   - chunk maxima and the running max with its rescale factors (lane g for head g, chunk
-//     by chunk; a max is exact in any order), the exponentials (lanes over keys), the
-//     running sum l (lane g, key by key) and the V accumulators (lane L holds dimensions
-//     [HD/32 L, HD/32 (L + 1)) of every head, key by key).
+//     by chunk; a max is exact in any order), the exponentials (lanes over (key, head)),
+//     the running sum l (lane g, key by key) and the V accumulators (lane L holds
+//     dimensions [HD/32 L, HD/32 (L + 1)) of every head, key by key).
 // Each (row, head, dimension) goes through the operations of `attention`, in its order, so
 // the bits are the same.
-// Dynamic shared memory: two buffers of (K, V) tiles of tk rows of HD + ATTR_PAD u16, then
-// the scores/exponentials, ATTR_ROWS * tk * ATTR_MAXG floats.
+// Dynamic shared memory: two f16 buffers of (K, V) tiles (tk rows of HD), the f32 K tile
+// (rows of HD + ATTR_PAD), the f32 V tile (rows of HD), then the scores/exponentials,
+// ATTR_ROWS * tk * ATTR_MAXG floats.
 #define ATTR_ROWS 4
 #define ATTR_MAXG 8
 #define ATTR_MAXC 8
 #define ATTR_PAD 16
-template <int HD>
+template <int HD, int G>
 __device__ __forceinline__ void attention_rows_impl(
     const float* q, const u16* kc, const u16* vc, float* out, const int* pos, const int* table_off,
     const int* tables, const int* tiles, int ntiles, int n_head, int n_kv, int bsz, float scale,
     int tk) {
     constexpr int CL = HD / 16;        // elements per canon lane of a dot
     constexpr int DPT = HD / 32;       // V dimensions per lane
-    constexpr int RS = HD + ATTR_PAD;  // staged row stride (u16): half-warps on other banks
+    constexpr int KS = HD + ATTR_PAD;  // f32 K row stride: the two half-warps on other banks
     extern __shared__ __align__(16) u16 s_kv[];
     __shared__ float s_m[ATTR_ROWS][ATTR_MAXC][ATTR_MAXG];
     __shared__ float s_alpha[ATTR_ROWS][ATTR_MAXC][ATTR_MAXG];
@@ -1988,7 +1992,6 @@ __device__ __forceinline__ void attention_rows_impl(
     int tile = ntiles - 1 - (int)blockIdx.x;
     int r0 = tiles[tile], nr = tiles[tile + 1] - r0;
     int kvh = blockIdx.y;
-    int G = n_head / n_kv;
     int t = threadIdx.x, w = t >> 5, L = t & 31, c16 = L & 15;
     int has_row = w < nr;
     int r = r0 + (has_row ? w : 0);
@@ -1996,8 +1999,10 @@ __device__ __forceinline__ void attention_rows_impl(
     int pmax = 0;
     for (int i = 0; i < nr; i++) pmax = max(pmax, pos[r0 + i]);
     const int* tab = tables + table_off[r0];
-    size_t tile_elems = (size_t)tk * RS;
-    float* s_e = (float*)(s_kv + 4 * tile_elems) + (size_t)w * tk * ATTR_MAXG;
+    size_t tile_elems = (size_t)tk * HD;
+    float* kf = (float*)(s_kv + 4 * tile_elems);
+    float* vf = kf + (size_t)tk * KS;
+    float* s_e = vf + (size_t)tk * HD + (size_t)w * tk * ATTR_MAXG;
     // Queues key tile ts's K and V rows into buffer slot, then closes a copy group (an empty
     // one past the last tile).
     auto issue = [&](int ts, int slot) {
@@ -2011,23 +2016,23 @@ __device__ __forceinline__ void attention_rows_impl(
                 int j = i / n16_row, piece = i % n16_row;
                 int key = ts + j;
                 size_t row = (((size_t)tab[key / bsz] * n_kv + kvh) * bsz + key % bsz) * HD + 8 * piece;
-                cp_async16(sk + (size_t)j * RS + 8 * piece, kc + row);
-                cp_async16(sv + (size_t)j * RS + 8 * piece, vc + row);
+                cp_async16(sk + 8 * (size_t)i, kc + row);
+                cp_async16(sv + 8 * (size_t)i, vc + row);
             }
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
     issue(0, 0);
-    float qr[ATTR_MAXG][CL];
+    float qr[G][CL];
 #pragma unroll
-    for (int g = 0; g < ATTR_MAXG; g++) {
+    for (int g = 0; g < G; g++) {
         const float* qh = q + ((size_t)r * n_head + kvh * G + g) * HD + c16;
 #pragma unroll
-        for (int u = 0; u < CL; u++) qr[g][u] = (has_row && g < G) ? qh[16 * u] : 0.0f;
+        for (int u = 0; u < CL; u++) qr[g][u] = has_row ? qh[16 * u] : 0.0f;
     }
-    float acc[ATTR_MAXG][DPT];
+    float acc[G][DPT];
 #pragma unroll
-    for (int g = 0; g < ATTR_MAXG; g++)
+    for (int g = 0; g < G; g++)
 #pragma unroll
         for (int d = 0; d < DPT; d++) acc[g][d] = 0.0f;
     float m = NEG_INF;  // lane g's: head g's running max
@@ -2037,26 +2042,71 @@ __device__ __forceinline__ void attention_rows_impl(
         issue(ts + tk, slot ^ 1);
         asm volatile("cp.async.wait_group 1;" ::: "memory");
         __syncthreads();
-        const u16* sk = s_kv + (size_t)slot * 2 * tile_elems;
-        const u16* sv = sk + tile_elems;
+        // The tile in f32, once for every row.
+        {
+            const u16* sk = s_kv + (size_t)slot * 2 * tile_elems;
+            const u16* sv = sk + tile_elems;
+            int n8 = min(tk, pmax + 1 - ts) * (HD / 8);
+            for (int i = t; i < n8; i += blockDim.x) {
+                int j = i / (HD / 8), c = 8 * (i % (HD / 8));
+                uint4 xk = *(const uint4*)(sk + 8 * (size_t)i);
+                uint4 xv = *(const uint4*)(sv + 8 * (size_t)i);
+                u32 wk[4] = {xk.x, xk.y, xk.z, xk.w}, wv[4] = {xv.x, xv.y, xv.z, xv.w};
+                float fk[8], fv[8];
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    fk[2 * u] = f16_to_f32((u16)(wk[u] & 0xffffu));
+                    fk[2 * u + 1] = f16_to_f32((u16)(wk[u] >> 16));
+                    fv[2 * u] = f16_to_f32((u16)(wv[u] & 0xffffu));
+                    fv[2 * u + 1] = f16_to_f32((u16)(wv[u] >> 16));
+                }
+                float4* dk = (float4*)(kf + (size_t)j * KS + c);
+                float4* dv = (float4*)(vf + (size_t)j * HD + c);
+                dk[0] = make_float4(fk[0], fk[1], fk[2], fk[3]);
+                dk[1] = make_float4(fk[4], fk[5], fk[6], fk[7]);
+                dv[0] = make_float4(fv[0], fv[1], fv[2], fv[3]);
+                dv[1] = make_float4(fv[4], fv[5], fv[6], fv[7]);
+            }
+        }
+        __syncthreads();
         if (ts <= p) {
             int nk = min(tk, p + 1 - ts);
             int nc = (nk + bsz - 1) / bsz;
-            // 1. scores: two keys per pass, every head.
-            for (int j0 = 0; j0 < nk; j0 += 2) {
-                int j = j0 + (L >> 4);
-                const u16* kr = sk + (size_t)min(j, nk - 1) * RS + c16;
-                float kv[CL];
+            // 1. scores: four keys per pass (two per lane), every head, the sums side by side.
+            for (int j0 = 0; j0 < nk; j0 += 4) {
+                int ja = j0 + (L >> 4), jb = ja + 2;
+                const float* ka = kf + (size_t)min(ja, nk - 1) * KS + c16;
+                const float* kb = kf + (size_t)min(jb, nk - 1) * KS + c16;
+                float xa[CL], xb[CL];
 #pragma unroll
-                for (int u = 0; u < CL; u++) kv[u] = f16_to_f32(kr[16 * u]);
+                for (int u = 0; u < CL; u++) {
+                    xa[u] = ka[16 * u];
+                    xb[u] = kb[16 * u];
+                }
+                float pa[G], pb[G];
 #pragma unroll
-                for (int g = 0; g < ATTR_MAXG; g++) {
-                    if (g < G) {
-                        float pa = 0.0f;
+                for (int g = 0; g < G; g++) {
+                    pa[g] = 0.0f;
+                    pb[g] = 0.0f;
 #pragma unroll
-                        for (int u = 0; u < CL; u++) pa = fmaf(qr[g][u], kv[u], pa);
-                        float sum = tree16(pa);
-                        if (c16 == 0 && j < nk) s_e[j * ATTR_MAXG + g] = __fmul_rn(sum, scale);
+                    for (int u = 0; u < CL; u++) {
+                        pa[g] = fmaf(qr[g][u], xa[u], pa[g]);
+                        pb[g] = fmaf(qr[g][u], xb[u], pb[g]);
+                    }
+                }
+#pragma unroll
+                for (int off = 8; off > 0; off >>= 1) {
+#pragma unroll
+                    for (int g = 0; g < G; g++) {
+                        pa[g] = __fadd_rn(pa[g], __shfl_down_sync(0xffffffffu, pa[g], off, 16));
+                        pb[g] = __fadd_rn(pb[g], __shfl_down_sync(0xffffffffu, pb[g], off, 16));
+                    }
+                }
+                if (c16 == 0) {
+#pragma unroll
+                    for (int g = 0; g < G; g++) {
+                        if (ja < nk) s_e[ja * ATTR_MAXG + g] = __fmul_rn(pa[g], scale);
+                        if (jb < nk) s_e[jb * ATTR_MAXG + g] = __fmul_rn(pb[g], scale);
                     }
                 }
             }
@@ -2066,6 +2116,7 @@ __device__ __forceinline__ void attention_rows_impl(
                 for (int c = 0; c < nc; c++) {
                     int a = c * bsz, e = min(a + bsz, nk);
                     float cm = NEG_INF;
+#pragma unroll 8
                     for (int j = a; j < e; j++) {
                         float xv = s_e[j * ATTR_MAXG + L];
                         cm = xv > cm ? xv : cm;
@@ -2080,12 +2131,10 @@ __device__ __forceinline__ void attention_rows_impl(
                 }
             }
             __syncwarp();
-            // 3. e[j] = exp(s[j] - m of j's chunk).
-            for (int j = L; j < nk; j += 32) {
-                int c = j / bsz;
-#pragma unroll
-                for (int g = 0; g < ATTR_MAXG; g++)
-                    if (g < G) s_e[j * ATTR_MAXG + g] = canon_exp(__fsub_rn(s_e[j * ATTR_MAXG + g], s_m[w][c][g]));
+            // 3. e[j] = exp(s[j] - m of j's chunk), lanes over (key, head).
+            for (int i = L; i < nk * ATTR_MAXG; i += 32) {
+                int j = i / ATTR_MAXG, g = i % ATTR_MAXG;
+                if (g < G) s_e[i] = canon_exp(__fsub_rn(s_e[i], s_m[w][j / bsz][g]));
             }
             __syncwarp();
             // 4. the chains in key order: l in lane g, the V accumulators in every lane.
@@ -2094,73 +2143,80 @@ __device__ __forceinline__ void attention_rows_impl(
                     float al = s_alpha[w][c][L];
                     if (al == al) l = __fmul_rn(l, al);
                     int e = min(c * bsz + bsz, nk);
+#pragma unroll 8
                     for (int j = c * bsz; j < e; j++) l = __fadd_rn(l, s_e[j * ATTR_MAXG + L]);
                 }
             }
             for (int c = 0; c < nc; c++) {
 #pragma unroll
-                for (int g = 0; g < ATTR_MAXG; g++) {
+                for (int g = 0; g < G; g++) {
                     float al = s_alpha[w][c][g];
-                    if (g < G && al == al) {
+                    if (al == al) {
 #pragma unroll
                         for (int d = 0; d < DPT; d++) acc[g][d] = __fmul_rn(acc[g][d], al);
                     }
                 }
                 int e = min(c * bsz + bsz, nk);
+#pragma unroll 4
                 for (int j = c * bsz; j < e; j++) {
-                    const u16* vr = sv + (size_t)j * RS + DPT * L;
+                    const float* vr = vf + (size_t)j * HD + DPT * L;
                     float vv[DPT];
                     if (DPT == 4) {
-                        uint2 x = *(const uint2*)vr;
-                        vv[0] = f16_to_f32((u16)(x.x & 0xffffu));
-                        vv[1] = f16_to_f32((u16)(x.x >> 16));
-                        vv[DPT > 2 ? 2 : 0] = f16_to_f32((u16)(x.y & 0xffffu));
-                        vv[DPT > 3 ? 3 : 0] = f16_to_f32((u16)(x.y >> 16));
+                        float4 x = *(const float4*)vr;
+                        vv[0] = x.x;
+                        vv[1] = x.y;
+                        vv[DPT > 2 ? 2 : 0] = x.z;
+                        vv[DPT > 3 ? 3 : 0] = x.w;
                     } else {
 #pragma unroll
-                        for (int d = 0; d < DPT; d++) vv[d] = f16_to_f32(vr[d]);
+                        for (int d = 0; d < DPT; d++) vv[d] = vr[d];
                     }
                     const float4* ep = (const float4*)(s_e + j * ATTR_MAXG);
                     float4 e0 = ep[0], e1 = ep[1];
                     float ev[8] = {e0.x, e0.y, e0.z, e0.w, e1.x, e1.y, e1.z, e1.w};
 #pragma unroll
-                    for (int g = 0; g < ATTR_MAXG; g++) {
-                        if (g < G) {
+                    for (int g = 0; g < G; g++) {
 #pragma unroll
-                            for (int d = 0; d < DPT; d++) acc[g][d] = fmaf(ev[g], vv[d], acc[g][d]);
-                        }
+                        for (int d = 0; d < DPT; d++) acc[g][d] = fmaf(ev[g], vv[d], acc[g][d]);
                     }
                 }
             }
         }
-        __syncthreads();  // the buffer just read is the next issue's target
+        __syncthreads();  // the buffers just read are the next issue's and conversion's target
         slot ^= 1;
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     if (has_row) {
 #pragma unroll
-        for (int g = 0; g < ATTR_MAXG; g++) {
+        for (int g = 0; g < G; g++) {
             float lg = __shfl_sync(0xffffffffu, l, g);
-            if (g < G) {
-                float inv = __fdiv_rn(1.0f, lg);
-                float* o = out + ((size_t)r * n_head + kvh * G + g) * HD + DPT * L;
+            float inv = __fdiv_rn(1.0f, lg);
+            float* o = out + ((size_t)r * n_head + kvh * G + g) * HD + DPT * L;
 #pragma unroll
-                for (int d = 0; d < DPT; d++) o[d] = __fmul_rn(acc[g][d], inv);
-            }
+            for (int d = 0; d < DPT; d++) o[d] = __fmul_rn(acc[g][d], inv);
         }
     }
 }
 
-#define ATTENTION_ROWS(HD)                                                                         \
-    extern "C" __global__ void __launch_bounds__(ATTR_ROWS * 32) attention_rows_##HD(              \
+#define ATTENTION_ROWS(HD, G)                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATTR_ROWS * 32) attention_rows_##HD##_##G(        \
         const float* q, const u16* kc, const u16* vc, float* out, const int* pos,                  \
         const int* table_off, const int* tables, const int* tiles, int ntiles, int n_head,         \
         int n_kv, int bsz, float scale, int tk) {                                                  \
-        attention_rows_impl<HD>(q, kc, vc, out, pos, table_off, tables, tiles, ntiles, n_head,     \
-                                n_kv, bsz, scale, tk);                                             \
+        attention_rows_impl<HD, G>(q, kc, vc, out, pos, table_off, tables, tiles, ntiles, n_head,  \
+                                   n_kv, bsz, scale, tk);                                          \
     }
-ATTENTION_ROWS(64)
-ATTENTION_ROWS(128)
+#define ATTENTION_ROWS_G(HD) \
+    ATTENTION_ROWS(HD, 1)    \
+    ATTENTION_ROWS(HD, 2)    \
+    ATTENTION_ROWS(HD, 3)    \
+    ATTENTION_ROWS(HD, 4)    \
+    ATTENTION_ROWS(HD, 5)    \
+    ATTENTION_ROWS(HD, 6)    \
+    ATTENTION_ROWS(HD, 7)    \
+    ATTENTION_ROWS(HD, 8)
+ATTENTION_ROWS_G(64)
+ATTENTION_ROWS_G(128)
 
 // ---- on-device choice ---------------------------------------------------------------
 
