@@ -1398,6 +1398,7 @@ impl<'t> Loop<'t> {
                 never: &self.never,
                 max_tokens: room,
                 max_draft: plan.max_draft.min(room),
+                kind_caps: &plan.caps,
                 allow_costly,
                 bars: &plan.bars,
                 eos_ends: !s.ignore_eos,

@@ -106,17 +106,22 @@ impl Drafter for Chain {
             ext.clear();
             ext.extend_from_slice(ctx.tokens);
             ext.extend_from_slice(&out.tokens);
-            let sub = DraftContext {
-                tokens: &ext,
-                max_tokens: ctx.max_tokens - out.tokens.len(),
-                max_draft: ctx.max_draft - free,
-                ..*ctx
-            };
             let mut got = DraftProposal::default();
             for d in self.drafters.iter_mut() {
                 if d.kind().is_costly() && !ctx.allow_costly {
                     continue;
                 }
+                // Each drafter drafts as far as its own measured acceptance pays.
+                let cap = ctx.cap_of(d.kind()).min(ctx.max_draft - free);
+                if cap == 0 {
+                    continue;
+                }
+                let sub = DraftContext {
+                    tokens: &ext,
+                    max_tokens: ctx.max_tokens - out.tokens.len(),
+                    max_draft: cap,
+                    ..*ctx
+                };
                 let t0 = Instant::now();
                 got = d.propose(&sub, mirror);
                 if d.kind().is_costly() {

@@ -93,6 +93,10 @@ pub struct DraftContext<'a> {
     /// The most *non-forced* tokens to propose (the adaptive policy's cap, at most
     /// `max_tokens`; 0 = only grammar-forced tokens).
     pub max_draft: usize,
+    /// Per-kind caps on non-forced drafts (index = [`DrafterKind::index`]): the policy's
+    /// draft length for each drafter's own measured acceptance (0 = that drafter is
+    /// withheld this step). Empty = only `max_draft` applies. The chain honours them.
+    pub kind_caps: &'a [usize],
     /// Whether drafters that cost real compute (the draft model) may run (the cost model
     /// turns them off when they do not pay).
     pub allow_costly: bool,
@@ -117,6 +121,7 @@ impl std::fmt::Debug for DraftContext<'_> {
             .field("prompt_len", &self.prompt_len)
             .field("max_tokens", &self.max_tokens)
             .field("max_draft", &self.max_draft)
+            .field("kind_caps", &self.kind_caps)
             .field("allow_costly", &self.allow_costly)
             .field("bars", &self.bars)
             .field("target_rows", &self.target.map(|t| t.len()))
@@ -135,6 +140,20 @@ impl DraftContext<'_> {
         match self.bars.len() {
             0 => 0.0,
             n => self.bars[j.min(n - 1)],
+        }
+    }
+
+    /// The cap on `kind`'s non-forced drafts ([`DraftContext::kind_caps`]; `max_draft`
+    /// when there are no per-kind caps).
+    pub fn cap_of(&self, kind: DrafterKind) -> usize {
+        if self.kind_caps.is_empty() {
+            self.max_draft
+        } else {
+            self.kind_caps
+                .get(kind.index())
+                .copied()
+                .unwrap_or(0)
+                .min(self.max_draft)
         }
     }
 

@@ -4,13 +4,17 @@
 //! unproductive cycles (pauses double per miss, bounded ×8; the first-position bar rises
 //! +0.05 per miss, bounded +0.20; one accepted draft resets both), a margin gate (no
 //! proposal when the target hesitated over the last committed token), and a draft length
-//! chosen by the cost model. Engine-wide ([`CostModel`]): the verify-cost curve (the mean
-//! step time of each row count, a linear fit of step time against rows where a count is
-//! not measured yet), the measured drafting cost per token and acceptance per drafter
-//! kind, which decide the draft length (none when the expected accepted tokens do not beat
-//! the curve; a short probe follows every [`COST_PROBE_EVERY`] withheld steps), whether a
+//! per drafter kind chosen by the cost model from that kind's own acceptance
+//! ([`Plan::caps`]: the suffix index's near-certain drafts are not held back by the
+//! n-gram's misses, nor the reverse). Engine-wide ([`CostModel`]): the verify-cost curve
+//! (each row count's step time as a ratio to the current one-row time, so a change of the
+//! machine's load scales the whole curve; interpolated between measured counts, a linear
+//! fit beyond them), the measured drafting cost per token and acceptance per drafter kind,
+//! which decide the draft length (none when the expected accepted tokens do not beat the
+//! curve by [`MIN_GAIN`]; a one-token probe follows [`COST_PROBE_EVERY`] withheld steps,
+//! and after each rejected probe twice as many, up to [`COST_PROBE_MAX`]), whether a
 //! costly drafter (the draft model, DSpark) pays at all, and a new sequence's starting
-//! acceptance (the engine's, once it has cycles of that kind).
+//! acceptance (the engine's counts, which its own cycles then update).
 //!
 //! Grammar-forced tokens are certain and free to propose: the policy never withholds them.
 
@@ -155,6 +159,10 @@ pub struct CostModel {
     sxy: f64,
     /// Decayed mean step time per row count (index = rows) and how many steps it holds.
     curve: Vec<(f64, u32)>,
+    /// Decayed mean of each row count's step time over the one-row mean of its time
+    /// (index = rows) and how many steps it holds: the curve's shape, which a change of
+    /// the machine's load scales far less than the times themselves.
+    ratio: Vec<(f64, u32)>,
     draft_ms: [f64; DrafterKind::COUNT],
     draft_seen: [bool; DrafterKind::COUNT],
     acceptance: [Acceptance; DrafterKind::COUNT],
@@ -172,6 +180,7 @@ impl Default for CostModel {
             sxx: 0.0,
             sxy: 0.0,
             curve: vec![(0.0, 0); CURVE_ROWS],
+            ratio: vec![(0.0, 0); CURVE_ROWS],
             draft_ms: [0.0; DrafterKind::COUNT],
             draft_seen: [false; DrafterKind::COUNT],
             acceptance: [Acceptance::default(); DrafterKind::COUNT],
@@ -206,26 +215,84 @@ impl CostModel {
         self.sy = self.sy * FIT_DECAY + ms;
         self.sxx = self.sxx * FIT_DECAY + x * x;
         self.sxy = self.sxy * FIT_DECAY + x * ms;
+        if rows > 1
+            && let Some(t1) = self.single_row_mean()
+            && let Some(c) = self.ratio.get_mut(rows)
+        {
+            let r = ms / t1;
+            // One step slowed by something else (a page fault, another process) moves
+            // the shape by at most a factor of two.
+            c.0 = if c.1 == 0 {
+                r
+            } else {
+                0.8 * c.0 + 0.2 * r.clamp(0.5 * c.0, 2.0 * c.0)
+            };
+            c.1 = c.1.saturating_add(1);
+        }
         if let Some(c) = self.curve.get_mut(rows) {
             c.0 = if c.1 == 0 { ms } else { 0.8 * c.0 + 0.2 * ms };
             c.1 = c.1.saturating_add(1);
         }
     }
 
-    /// Estimated time of a step of `rows` rows, ms: the measured mean of that row count
-    /// once it has [`CURVE_MIN_SAMPLES`] steps, else the linear fit — never less than
-    /// the estimate of fewer rows (more rows never cost less).
+    /// The measured mean one-row step time, once it has [`CURVE_MIN_SAMPLES`] steps.
+    fn single_row_mean(&self) -> Option<f64> {
+        self.curve
+            .get(1)
+            .filter(|c| c.1 >= CURVE_MIN_SAMPLES && c.0 > 0.0)
+            .map(|c| c.0)
+    }
+
+    /// Estimated time of a step of `rows` rows, ms: the current one-row mean times that
+    /// row count's measured ratio to it (the curve's shape, so a change of load since
+    /// the longer steps were measured moves every estimate alike), else the measured
+    /// mean of that row count, once either has [`CURVE_MIN_SAMPLES`] steps; between two
+    /// such counts, interpolated; else the linear fit (scaled to the current one-row
+    /// time once that is measured) — never less than the estimate of fewer rows (more rows never cost
+    /// less).
     pub fn step_ms(&self, rows: usize) -> f64 {
         let (a, b) = self.fit();
+        let t1 = self.single_row_mean();
+        // The measured estimate of a row count, if it has one.
+        let known = |r: usize| -> Option<f64> {
+            let shape = self
+                .ratio
+                .get(r)
+                .filter(|c| c.1 >= CURVE_MIN_SAMPLES)
+                .and_then(|c| t1.map(|t1| t1 * c.0));
+            shape.or_else(|| {
+                self.curve
+                    .get(r)
+                    .filter(|c| c.1 >= CURVE_MIN_SAMPLES)
+                    .map(|c| c.0)
+            })
+        };
         let mut floor = 0.0f64;
         let mut est = a;
+        let mut below: Option<(usize, f64)> = None;
         for r in 1..=rows.max(1) {
-            est = match self.curve.get(r) {
-                Some(&(ms, n)) if n >= CURVE_MIN_SAMPLES => ms,
-                _ => a + b * r as f64,
+            est = match known(r) {
+                Some(ms) => ms,
+                None => {
+                    // Between two measured counts: interpolated; else the fit's shape at
+                    // the current one-row time.
+                    let above = (r + 1..CURVE_ROWS).find_map(|q| known(q).map(|ms| (q, ms)));
+                    match (below, above) {
+                        (Some((r0, m0)), Some((r1, m1))) => {
+                            m0 + (m1 - m0) * (r - r0) as f64 / (r1 - r0) as f64
+                        }
+                        _ => match t1 {
+                            Some(t1) => t1 * (a + b * r as f64) / (a + b).max(1e-9),
+                            None => a + b * r as f64,
+                        },
+                    }
+                }
             };
             est = est.max(floor);
             floor = est;
+            if let Some(ms) = known(r) {
+                below = Some((r, ms));
+            }
         }
         est
     }
@@ -315,6 +382,11 @@ impl CostModel {
         self.acceptance[kind.index()].alpha()
     }
 
+    /// The engine-wide acceptance counts of `kind` (a new sequence starts from them).
+    pub fn acceptance(&self, kind: DrafterKind) -> Acceptance {
+        self.acceptance[kind.index()]
+    }
+
     /// Verify cycles of `kind` recorded engine-wide.
     pub fn cycles(&self, kind: DrafterKind) -> u64 {
         self.cycles[kind.index()]
@@ -359,6 +431,11 @@ pub struct Plan {
     pub bars: Vec<f32>,
     /// Why free drafting is off this step, if it is.
     pub gate: Option<Gate>,
+    /// With the cost model: the most non-forced drafts of each drafter kind (index =
+    /// [`DrafterKind::index`]), each from that kind's own measured acceptance, so a
+    /// drafter that pays is not held back by one that does not (and the reverse);
+    /// `max_draft` is their maximum. Empty without the cost model.
+    pub caps: Vec<usize>,
 }
 
 /// Why the policy withheld free drafts.
@@ -382,16 +459,24 @@ pub struct SeqPolicy {
     acceptance: [Acceptance; DrafterKind::COUNT],
     /// Cycles recorded per kind.
     recorded: [u32; DrafterKind::COUNT],
-    last_kind: Option<DrafterKind>,
-    /// Consecutive steps the cost model withheld drafts (a probe follows
-    /// [`COST_PROBE_EVERY`] of them, so the measurements can change its mind).
-    cost_skips: u32,
+    /// Per kind: consecutive steps the cost model withheld its drafts (a probe follows
+    /// `probe_every` of them, so the measurements can change its mind).
+    cost_skips: [u32; DrafterKind::COUNT],
+    /// Per kind: withheld steps before the next probe: [`COST_PROBE_EVERY`], doubled after
+    /// each probe that is rejected (bounded by [`COST_PROBE_MAX`]), back to the start after
+    /// an accepted draft. 0 = not set yet (the start).
+    probe_every: [u32; DrafterKind::COUNT],
+    /// Per kind: the plan just made was a probe.
+    probing: [bool; DrafterKind::COUNT],
 }
 
 /// After this many steps withheld by the cost model, one short cycle is drafted anyway.
 pub const COST_PROBE_EVERY: u32 = 16;
-/// Draft length of such a probe.
-const COST_PROBE_LEN: usize = 2;
+/// Most withheld steps between probes (after rejected probes the interval doubles up to
+/// this, so a workload where drafts never pay loses at most one row per this many steps).
+pub const COST_PROBE_MAX: u32 = 128;
+/// Draft length of such a probe (one row: its cost is the curve's cheapest extra row).
+const COST_PROBE_LEN: usize = 1;
 
 impl SeqPolicy {
     /// A fresh state.
@@ -430,6 +515,7 @@ impl SeqPolicy {
             max_draft: cap,
             bars,
             gate: None,
+            caps: Vec::new(),
         };
         if cap == 0 {
             plan.gate = Some(Gate::Room);
@@ -439,30 +525,49 @@ impl SeqPolicy {
         } else if cfg.margin_bar > 0.0 && margin.is_some_and(|m| m < cfg.margin_bar) {
             plan.gate = Some(Gate::Margin);
         } else if cfg.cost_model {
-            let kind = self.last_kind.unwrap_or(DrafterKind::Ngram);
-            // A sequence without cycles of its own starts from the engine's experience
-            // with the kind (earlier requests), not from the neutral prior.
-            let alpha = if self.recorded[kind.index()] == 0 && cost.cycles(kind) > 0 {
-                cost.alpha(kind)
-            } else {
-                self.acceptance[kind.index()].alpha()
-            };
-            let mut k = cost.best_draft(alpha, cap, kind);
-            if k == 0 {
-                self.cost_skips += 1;
-                if self.cost_skips >= COST_PROBE_EVERY {
-                    self.cost_skips = 0;
-                    k = COST_PROBE_LEN.min(cap);
-                } else {
-                    plan.gate = Some(Gate::Cost);
-                }
-            } else {
-                self.cost_skips = 0;
+            // Each kind drafts as far as its own acceptance pays. A sequence without
+            // cycles of a kind starts from the engine's experience with it (earlier
+            // requests), not from the neutral prior.
+            let caps: Vec<usize> = DrafterKind::ALL
+                .iter()
+                .map(|&kind| {
+                    let i = kind.index();
+                    // Its own cycles then update that estimate (they do not start
+                    // over from the neutral prior).
+                    if self.recorded[i] == 0 && cost.cycles(kind) > 0 {
+                        self.acceptance[i] = cost.acceptance(kind);
+                    }
+                    let alpha = self.acceptance[i].alpha();
+                    let k = cost.best_draft(alpha, cap, kind);
+                    self.probing[i] = false;
+                    if k > 0 {
+                        self.cost_skips[i] = 0;
+                        return k;
+                    }
+                    // Withheld: probed now and then (less often after rejected probes),
+                    // so the measurements can change the model's mind.
+                    self.cost_skips[i] += 1;
+                    if self.probe_every[i] == 0 {
+                        self.probe_every[i] = COST_PROBE_EVERY;
+                    }
+                    if self.cost_skips[i] >= self.probe_every[i] {
+                        self.cost_skips[i] = 0;
+                        self.probing[i] = true;
+                        COST_PROBE_LEN.min(cap)
+                    } else {
+                        0
+                    }
+                })
+                .collect();
+            plan.max_draft = caps.iter().copied().max().unwrap_or(0);
+            plan.caps = caps;
+            if plan.max_draft == 0 {
+                plan.gate = Some(Gate::Cost);
             }
-            plan.max_draft = k;
         }
         if plan.gate.is_some() {
             plan.max_draft = 0;
+            plan.caps.iter_mut().for_each(|c| *c = 0);
         }
         plan
     }
@@ -474,13 +579,19 @@ impl SeqPolicy {
         if drafted == 0 {
             return;
         }
-        self.last_kind = Some(kind);
-        self.acceptance[kind.index()].record(drafted, accepted);
-        self.recorded[kind.index()] = self.recorded[kind.index()].saturating_add(1);
+        let i = kind.index();
+        self.acceptance[i].record(drafted, accepted);
+        self.recorded[i] = self.recorded[i].saturating_add(1);
+        let probe = std::mem::take(&mut self.probing[i]);
         if accepted > 0 {
             self.misses = 0;
             self.pause_left = 0;
+            self.probe_every[i] = COST_PROBE_EVERY;
         } else {
+            if probe {
+                self.probe_every[i] =
+                    (self.probe_every[i].max(COST_PROBE_EVERY) * 2).min(COST_PROBE_MAX);
+            }
             self.misses += 1;
             self.pause_left = 1u32 << (self.misses - 1).min(3);
         }
@@ -559,8 +670,9 @@ mod tests {
             pause_left: 0,
             ..p
         };
+        let ngram = DrafterKind::Ngram.index();
         let plans: Vec<usize> = (0..COST_PROBE_EVERY)
-            .map(|_| p.plan(&cfg, &c, 8, None).max_draft)
+            .map(|_| p.plan(&cfg, &c, 8, None).caps[ngram])
             .collect();
         assert_eq!(plans.iter().filter(|&&k| k > 0).count(), 1, "{plans:?}");
         assert_eq!(plans.last(), Some(&COST_PROBE_LEN));
@@ -639,6 +751,30 @@ mod tests {
     }
 
     #[test]
+    fn a_change_of_load_scales_the_whole_curve() {
+        let mut c = CostModel::new();
+        convex_curve(&mut c);
+        let k = c.best_draft(0.7, 8, DrafterKind::Ngram);
+        // The machine gets twice as slow while only one-row steps are taken: the longer
+        // steps' estimates follow, so the draft length does not change.
+        for _ in 0..30 {
+            c.observe_step(1, 114.0);
+        }
+        assert!((c.step_ms(1) - 114.0).abs() < 0.5, "{}", c.step_ms(1));
+        assert!((c.step_ms(9) - 280.0).abs() < 1.5, "{}", c.step_ms(9));
+        assert_eq!(c.best_draft(0.7, 8, DrafterKind::Ngram), k);
+        // One outlier step moves a row count's shape by at most a factor of two (x 0.2).
+        let before = c.step_ms(5);
+        c.observe_step(5, 10_000.0);
+        assert!(
+            c.step_ms(5) <= before * 1.2 + 1e-6,
+            "{} {}",
+            before,
+            c.step_ms(5)
+        );
+    }
+
+    #[test]
     fn a_new_sequence_starts_from_the_engines_acceptance() {
         let mut c = CostModel::new();
         convex_curve(&mut c);
@@ -648,15 +784,81 @@ mod tests {
         let cfg = PolicyConfig::default();
         // The neutral prior (α = 0.5) would draft; the engine's record says it will miss.
         assert!(c.best_draft(0.5, 8, DrafterKind::Ngram) > 0);
+        let ngram = DrafterKind::Ngram.index();
         let mut p = SeqPolicy::new();
-        assert_eq!(p.plan(&cfg, &c, 8, None).gate, Some(Gate::Cost));
+        assert_eq!(p.plan(&cfg, &c, 8, None).caps[ngram], 0);
         // Its own cycles take over from the engine's estimate.
         for _ in 0..20 {
             p.record(Some(DrafterKind::Ngram), 2, 2);
         }
         let plan = p.plan(&cfg, &c, 8, None);
         assert_eq!(plan.gate, None);
-        assert!(plan.max_draft > 0);
+        assert!(plan.caps[ngram] > 0 && plan.max_draft >= plan.caps[ngram]);
+    }
+
+    #[test]
+    fn each_kind_drafts_by_its_own_acceptance() {
+        let mut c = CostModel::new();
+        convex_curve(&mut c);
+        let cfg = PolicyConfig::default();
+        let mut p = SeqPolicy::new();
+        for _ in 0..10 {
+            p.record(Some(DrafterKind::Ngram), 3, 0);
+            p.record(Some(DrafterKind::Suffix), 4, 4);
+        }
+        let p = &mut SeqPolicy {
+            misses: 0,
+            pause_left: 0,
+            ..p
+        };
+        let plan = p.plan(&cfg, &c, 8, None);
+        // The suffix index's near-certain drafts go long; the n-gram's misses are withheld.
+        assert!(plan.caps[DrafterKind::Suffix.index()] >= 7, "{plan:?}");
+        assert_eq!(plan.caps[DrafterKind::Ngram.index()], 0, "{plan:?}");
+        assert_eq!(plan.max_draft, plan.caps[DrafterKind::Suffix.index()]);
+        assert_eq!(plan.gate, None);
+    }
+
+    #[test]
+    fn rejected_probes_come_less_often_up_to_the_bound() {
+        let mut c = CostModel::new();
+        convex_curve(&mut c);
+        for _ in 0..30 {
+            c.observe_cycle(DrafterKind::Ngram, 3, 0);
+        }
+        let cfg = PolicyConfig {
+            backoff: false,
+            ..PolicyConfig::default()
+        };
+        let ngram = DrafterKind::Ngram.index();
+        let mut p = SeqPolicy::new();
+        let mut gaps = Vec::new();
+        let mut since = 0;
+        for _ in 0..2000 {
+            since += 1;
+            let k = p.plan(&cfg, &c, 8, None).caps[ngram];
+            if k > 0 {
+                assert_eq!(k, COST_PROBE_LEN);
+                gaps.push(since);
+                since = 0;
+                p.record(Some(DrafterKind::Ngram), k, 0);
+            }
+        }
+        assert_eq!(&gaps[..5], &[16, 32, 64, 128, 128], "{gaps:?}");
+        // An accepted probe brings the interval back to the start.
+        for _ in 0..200 {
+            if p.plan(&cfg, &c, 8, None).caps[ngram] > 0 {
+                break;
+            }
+        }
+        p.record(Some(DrafterKind::Ngram), 1, 1);
+        for _ in 0..30 {
+            p.record(Some(DrafterKind::Ngram), 3, 0);
+        }
+        let n = (0..COST_PROBE_EVERY)
+            .filter(|_| p.plan(&cfg, &c, 8, None).caps[ngram] > 0)
+            .count();
+        assert_eq!(n, 1);
     }
 
     #[test]

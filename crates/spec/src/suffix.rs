@@ -523,6 +523,7 @@ mod tests {
             never,
             max_tokens: k,
             max_draft: k,
+            kind_caps: &[],
             allow_costly: false,
             bars: &[],
             eos_ends: true,
