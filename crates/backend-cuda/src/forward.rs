@@ -1257,20 +1257,25 @@ fn attention(
     let cfg = &model.cfg;
     let hd = cfg.head_dim;
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
+    // q, the cache, the output, positions, table offsets, tables: every attention kernel's
+    // first arguments.
+    let buffers = vec![
+        Arg::Ptr(dev.ptr(&s.q, 0)),
+        Arg::Ptr(dev.ptr(&kv.k[li], 0)),
+        Arg::Ptr(dev.ptr(&kv.v[li], 0)),
+        Arg::Ptr(dev.ptr(&s.attn, 0)),
+        Arg::Ptr(dev.ptr(&s.meta, 0)),
+        Arg::Ptr(dev.ptr(&s.meta, 2 * s.rows)),
+        Arg::Ptr(dev.ptr(&s.meta, 4 * s.rows + 1)),
+    ];
     if let Some((name, tk)) = attention_rows_kernel(cfg, kv.bsz, m, s.att_tiles).filter(|_| rows) {
         // Two f16 (K, V) buffers, the f32 K and V tiles, the scores.
         let smem = 4 * tk * hd * 2
             + tk * (hd + ATTR_PAD) * 4
             + tk * hd * 4
             + ATTR_ROWS * tk * ATTR_MAXG * 4;
-        let args = [
-            Arg::Ptr(dev.ptr(&s.q, 0)),
-            Arg::Ptr(dev.ptr(&kv.k[li], 0)),
-            Arg::Ptr(dev.ptr(&kv.v[li], 0)),
-            Arg::Ptr(dev.ptr(&s.attn, 0)),
-            Arg::Ptr(dev.ptr(&s.meta, 0)),
-            Arg::Ptr(dev.ptr(&s.meta, 2 * s.rows)),
-            Arg::Ptr(dev.ptr(&s.meta, 4 * s.rows + 1)),
+        let mut args = buffers;
+        args.extend([
             Arg::Ptr(dev.ptr(&s.meta, 3 * s.rows)),
             Arg::I32(s.att_tiles as i32),
             Arg::I32(cfg.n_head as i32),
@@ -1278,7 +1283,7 @@ fn attention(
             Arg::I32(kv.bsz as i32),
             Arg::F32(scale),
             Arg::I32(tk as i32),
-        ];
+        ]);
         let grid = (
             u32::try_from(s.att_tiles).unwrap_or(u32::MAX),
             u32::try_from(cfg.n_head_kv).unwrap_or(u32::MAX),
@@ -1292,20 +1297,14 @@ fn attention(
             &args,
         );
     }
-    let mut args = vec![
-        Arg::Ptr(dev.ptr(&s.q, 0)),
-        Arg::Ptr(dev.ptr(&kv.k[li], 0)),
-        Arg::Ptr(dev.ptr(&kv.v[li], 0)),
-        Arg::Ptr(dev.ptr(&s.attn, 0)),
-        Arg::Ptr(dev.ptr(&s.meta, 0)),
-        Arg::Ptr(dev.ptr(&s.meta, 2 * s.rows)),
-        Arg::Ptr(dev.ptr(&s.meta, 4 * s.rows + 1)),
+    let mut args = buffers;
+    args.extend([
         Arg::I32(cfg.n_head as i32),
         Arg::I32(cfg.n_head_kv as i32),
         Arg::I32(hd as i32),
         Arg::I32(kv.bsz as i32),
         Arg::F32(scale),
-    ];
+    ]);
     let grid = (u32::try_from(m * cfg.n_head).unwrap_or(u32::MAX), 1, 1);
     if !tiled {
         return dev.launch("attention", grid, (ATT_THREADS, 1, 1), &args);
