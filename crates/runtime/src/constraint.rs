@@ -1,7 +1,7 @@
 //! Structured-output constraints for the engine: the think-block rule every front end
 //! applies ([`think_rule`]: a model that thinks first keeps its `<think>…</think>` block
-//! free, the constraint applies after `</think>`), grammar matchers wrapped as
-//! [`engine::TokenConstraint`], the lazy tool-call constraint (free text until the model
+//! free, the constraint applies after `</think>`), grammar matchers (which implement
+//! [`engine::TokenConstraint`] themselves), the lazy tool-call constraint (free text until the model
 //! opens a tool-call envelope, then the envelope grammar), and a small cache of compiled
 //! grammars so repeated requests (agents resend the same tools every turn) compile once.
 
@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use chat::ChatTemplate;
-use engine::{TokenConstraint, TokenMask};
+use engine::{ConstraintError, TokenConstraint, TokenMask};
 use grammar::{CompiledConstraint, Constraint, GrammarLimits, GrammarMatcher, TokenEnv};
 use text::Tokenizer;
 
@@ -103,7 +103,7 @@ impl ConstraintPlan {
     /// A fresh constraint for one sequence.
     pub fn instantiate(&self, env: &Arc<TokenEnv>) -> Box<dyn TokenConstraint> {
         match self {
-            ConstraintPlan::Grammar(c) => Box::new(MatcherConstraint(c.matcher())),
+            ConstraintPlan::Grammar(c) => Box::new(c.matcher()),
             ConstraintPlan::LazyTools { trigger, calls } => Box::new(LazyToolConstraint {
                 env: Arc::clone(env),
                 trigger: trigger.as_bytes().to_vec(),
@@ -112,30 +112,6 @@ impl ConstraintPlan {
                 engaged: None,
             }),
         }
-    }
-}
-
-/// A grammar matcher as the engine's constraint.
-pub struct MatcherConstraint(pub GrammarMatcher);
-
-impl TokenConstraint for MatcherConstraint {
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
-        self.0.compute_mask(mask).map_err(|e| e.to_string())
-    }
-    fn consume(&mut self, token: u32) -> Result<(), String> {
-        self.0.consume(token).map_err(|e| e.to_string())
-    }
-    fn is_finished(&self) -> bool {
-        self.0.is_finished()
-    }
-    fn rollback(&mut self, n: usize) -> Result<(), String> {
-        self.0.rollback(n).map_err(|e| e.to_string())
-    }
-    fn fork(&self) -> Box<dyn TokenConstraint> {
-        Box::new(MatcherConstraint(self.0.fork()))
-    }
-    fn forced_tokens(&mut self) -> Vec<u32> {
-        self.0.forced_tokens()
     }
 }
 
@@ -173,24 +149,49 @@ impl LazyToolConstraint {
     }
 }
 
+impl LazyToolConstraint {
+    /// Whether `token` is allowed while the output is free text: any id the environment
+    /// does not block.
+    fn free(&self, token: u32) -> bool {
+        (token as usize) < self.env.n_logits() && !self.env.blocked().get(token)
+    }
+}
+
 impl TokenConstraint for LazyToolConstraint {
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
         match &mut self.engaged {
-            Some((_, m)) => m.compute_mask(mask).map_err(|e| e.to_string()),
+            Some((_, m)) => m.compute_mask(mask).map_err(ConstraintError::from),
             None => {
-                let words: Vec<u64> = self.env.blocked().words().iter().map(|w| !w).collect();
-                *mask =
-                    TokenMask::from_words(self.env.n_logits(), words).map_err(|e| e.to_string())?;
+                let blocked = self.env.blocked().words();
+                mask.fill_words(self.env.n_logits(), |i| {
+                    !blocked.get(i).copied().unwrap_or(u64::MAX)
+                });
                 Ok(())
             }
         }
     }
 
-    fn consume(&mut self, token: u32) -> Result<(), String> {
-        self.history.push(token);
-        if let Some((_, m)) = &mut self.engaged {
-            return m.consume(token).map_err(|e| e.to_string());
+    fn accepts(&mut self, token: u32) -> bool {
+        match &mut self.engaged {
+            Some((_, m)) => m.accepts(token),
+            None => self.free(token),
         }
+    }
+
+    fn consume(&mut self, token: u32) -> Result<(), ConstraintError> {
+        if let Some((_, m)) = &mut self.engaged {
+            m.consume(token)?;
+            self.history.push(token);
+            return Ok(());
+        }
+        if !self.free(token) {
+            return Err(ConstraintError::TokenRejected {
+                token,
+                text: String::from_utf8_lossy(self.env.grammar_bytes(token)).into_owned(),
+                position: self.history.len(),
+            });
+        }
+        self.history.push(token);
         if let Some(k) = self.trigger_tokens() {
             let mut m = self.calls.matcher();
             let start = self.history.len() - k;
@@ -209,19 +210,19 @@ impl TokenConstraint for LazyToolConstraint {
         self.engaged.as_ref().is_some_and(|(_, m)| m.is_finished())
     }
 
-    fn rollback(&mut self, n: usize) -> Result<(), String> {
+    fn rollback(&mut self, n: usize) -> Result<(), ConstraintError> {
         if n > self.history.len() {
-            return Err(format!(
-                "cannot roll back {n} tokens, only {} consumed",
-                self.history.len()
-            ));
+            return Err(ConstraintError::Rollback {
+                requested: n,
+                available: self.history.len(),
+            });
         }
         let new_len = self.history.len() - n;
         if let Some((start, m)) = &mut self.engaged {
             if new_len <= *start {
                 self.engaged = None;
             } else {
-                m.rollback(n).map_err(|e| e.to_string())?;
+                m.rollback(n)?;
             }
         }
         self.history.truncate(new_len);
