@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 
 use chat::ChatTemplate;
 use engine::{ConstraintError, TokenConstraint, TokenMask};
-use grammar::{CompiledConstraint, Constraint, GrammarLimits, GrammarMatcher, TokenEnv};
+use grammar::{
+    CompiledConstraint, Constraint, ConstraintKey, GrammarLimits, GrammarMatcher, TokenEnv,
+};
 use text::Tokenizer;
 
 /// Where a chat reply's reasoning segment stands, as the rendered prompt shows it.
@@ -247,11 +249,12 @@ impl TokenConstraint for LazyToolConstraint {
     }
 }
 
-/// A bounded cache of compiled constraints keyed by their source text.
+/// A bounded cache of compiled constraints keyed by [`Constraint::key`] (a SHA-256 of the
+/// constraint's canonical serialization), least recently used evicted first.
 pub struct GrammarCache {
     env: Arc<TokenEnv>,
     limits: GrammarLimits,
-    entries: Mutex<VecDeque<(String, CompiledConstraint)>>,
+    entries: Mutex<VecDeque<(ConstraintKey, CompiledConstraint)>>,
     capacity: usize,
 }
 
@@ -279,13 +282,23 @@ impl GrammarCache {
         &self.env
     }
 
+    /// How many compiled constraints the cache holds.
+    pub fn len(&self) -> usize {
+        self.entries.lock().map_or(0, |e| e.len())
+    }
+
+    /// Whether the cache holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Compiles `constraint` (or takes it from the cache). Blocking: call it off the async
     /// runtime.
     pub fn compile(
         &self,
         constraint: &Constraint,
     ) -> Result<CompiledConstraint, grammar::GrammarError> {
-        let key = format!("{:?}", constraint);
+        let key = constraint.key();
         if let Ok(mut entries) = self.entries.lock()
             && let Some(pos) = entries.iter().position(|(k, _)| *k == key)
             && let Some(entry) = entries.remove(pos)
@@ -308,6 +321,84 @@ impl GrammarCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::OnceLock;
+
+    fn qwen_env() -> &'static Arc<TokenEnv> {
+        static ENV: OnceLock<Arc<TokenEnv>> = OnceLock::new();
+        ENV.get_or_init(|| {
+            let path = hub::ensure_model("qwen2.5-coder-0.5b").expect("model file");
+            let file = gguf::GgufFile::open(&path).expect("gguf");
+            let tok = Arc::new(Tokenizer::from_gguf(&file).expect("tokenizer"));
+            TokenEnv::new(tok).expect("token env")
+        })
+    }
+
+    #[test]
+    fn the_cache_keys_by_the_canonical_constraint() {
+        let cache = GrammarCache::new(Arc::clone(qwen_env()), 4);
+        let schema =
+            || serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        cache.compile(&Constraint::json_schema(schema())).unwrap();
+        cache.compile(&Constraint::json_schema(schema())).unwrap();
+        assert_eq!(cache.len(), 1, "an equal constraint compiled again");
+        cache
+            .compile(&Constraint::json_schema(schema()).with_think(true))
+            .unwrap();
+        assert_eq!(cache.len(), 2);
+        let bad = cache.compile(&Constraint::lark("start: ((")).unwrap_err();
+        assert!(matches!(
+            ConstraintError::from(bad),
+            ConstraintError::Invalid(_)
+        ));
+        assert_eq!(cache.len(), 2, "a failed compile is not cached");
+    }
+
+    #[test]
+    fn the_lazy_tool_constraint_keeps_the_contract_before_and_after_the_trigger() {
+        let env = qwen_env();
+        let cache = GrammarCache::new(Arc::clone(env), 4);
+        let calls = cache
+            .compile(&Constraint::lark(
+                "start: \"<tool_call>\" \"\\n\" /[a-z]{1,8}/ \"\\n</tool_call>\"",
+            ))
+            .unwrap();
+        let plan = ConstraintPlan::LazyTools {
+            trigger: "<tool_call>".to_string(),
+            calls,
+        };
+        let mut c = plan.instantiate(env);
+        let n = env.n_logits();
+        sampling::check_contract(c.as_mut(), n).unwrap();
+        let tok = env.tokenizer();
+        let text = tok.encode("Sure.", text::EncodeOptions::plain_text());
+        let mut consumed = text.len() + 1;
+        for t in text {
+            c.consume(t).unwrap();
+        }
+        sampling::check_contract(c.as_mut(), n).unwrap();
+        let trigger = tok.encode("<tool_call>", text::EncodeOptions::raw_prompt());
+        assert_eq!(trigger.len(), 1, "Qwen's start marker is one token");
+        c.consume(trigger[0]).unwrap();
+        let word = tok.encode("\nabc", text::EncodeOptions::plain_text());
+        assert!(!c.accepts(tok.encode("!", text::EncodeOptions::plain_text())[0]));
+        sampling::check_contract(c.as_mut(), n).unwrap();
+        consumed += word.len();
+        let engaged = word.len() + 1;
+        for t in word {
+            c.consume(t).unwrap();
+        }
+        sampling::check_contract(c.as_mut(), n).unwrap();
+        let mut fork = c.fork();
+        fork.rollback(engaged).unwrap();
+        assert!(fork.accepts(tok.encode("!", text::EncodeOptions::plain_text())[0]));
+        assert_eq!(
+            c.rollback(100),
+            Err(ConstraintError::Rollback {
+                requested: 100,
+                available: consumed
+            })
+        );
+    }
 
     #[test]
     fn reasoning_segment_follows_the_generation_prompt() {
