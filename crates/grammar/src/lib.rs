@@ -33,6 +33,7 @@
 mod constraint;
 mod env;
 mod error;
+pub mod lark;
 mod limits;
 mod matcher;
 mod schema_check;
