@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use engine::{
-    Engine, EngineConfig, Event, GenerateRequest, ModelBackend, SamplingParams, TokenConstraint,
-    TokenMask,
+    ConstraintError, Engine, EngineConfig, Event, GenerateRequest, ModelBackend, SamplingParams,
+    TokenConstraint, TokenMask,
 };
 use grammar::{Constraint, TokenEnv};
 use model::{LoadOptions, Model};
@@ -111,7 +111,7 @@ struct TimedConstraint {
 }
 
 impl TokenConstraint for TimedConstraint {
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
         let t = Instant::now();
         let r = self.inner.compute_mask(mask);
         let us = t.elapsed().as_secs_f64() * 1e6;
@@ -120,7 +120,7 @@ impl TokenConstraint for TimedConstraint {
         }
         r
     }
-    fn consume(&mut self, token: u32) -> Result<(), String> {
+    fn consume(&mut self, token: u32) -> Result<(), ConstraintError> {
         let t = Instant::now();
         let r = self.inner.consume(token);
         let us = t.elapsed().as_secs_f64() * 1e6;
@@ -132,7 +132,7 @@ impl TokenConstraint for TimedConstraint {
     fn is_finished(&self) -> bool {
         self.inner.is_finished()
     }
-    fn rollback(&mut self, n: usize) -> Result<(), String> {
+    fn rollback(&mut self, n: usize) -> Result<(), ConstraintError> {
         self.inner.rollback(n)
     }
     fn fork(&self) -> Box<dyn TokenConstraint> {

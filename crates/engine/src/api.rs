@@ -8,6 +8,12 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::thread::JoinHandle;
 
 pub use model::{BackendError, ForwardBackend, ForwardRow, KvSlot};
+/// The constraint interface the step loop drives (defined next to [`TokenMask`] in
+/// `sampling`, implemented by the grammar crate's matcher). The engine asks for the mask
+/// (or, where one token decides, `accepts`) before each choice of a constrained sequence,
+/// consumes the chosen token, and stops with [`StopCause::GrammarEnd`] once
+/// `is_finished`. An `Err` from any method ends only that request, with [`Event::Error`].
+pub use sampling::{ConstraintError, TokenConstraint};
 pub use sampling::{FinishReason, SamplingParams, StopCause, TokenMask};
 pub use spec::SpecStats;
 
@@ -552,41 +558,5 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.stop();
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// Backend interface
-// ---------------------------------------------------------------------------------------
-
-// ---------------------------------------------------------------------------------------
-// Constraint interface
-// ---------------------------------------------------------------------------------------
-
-/// A structured-output constraint over tokens (a grammar matcher). The engine asks for the
-/// mask before each choice of a constrained sequence, consumes the chosen token, and stops
-/// with [`StopCause::GrammarEnd`] once `is_finished`. An `Err` from any method ends only
-/// that request, with [`Event::Error`].
-pub trait TokenConstraint: Send {
-    /// Writes the set of tokens allowed next into `mask` (the engine passes a mask of the
-    /// backend's `n_vocab`; the implementation may resize it).
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String>;
-    /// Advances over `token` (which the last mask allowed).
-    fn consume(&mut self, token: u32) -> Result<(), String>;
-    /// Whether the output is complete (nothing but end-of-generation may follow).
-    fn is_finished(&self) -> bool;
-    /// Undoes the last `n` consumed tokens (speculative rollback).
-    fn rollback(&mut self, n: usize) -> Result<(), String>;
-    /// An independent copy in the same state (the speculative mirror).
-    fn fork(&self) -> Box<dyn TokenConstraint>;
-    /// Tokens the constraint forces from here (grammar fast-forward); empty = free choice.
-    fn forced_tokens(&mut self) -> Vec<u32> {
-        Vec::new()
-    }
-    /// Whether `token` is allowed next (the same answer as the mask; implementations may
-    /// answer faster than computing the whole mask).
-    fn accepts(&mut self, token: u32) -> bool {
-        let mut mask = TokenMask::new(token as usize + 1);
-        self.compute_mask(&mut mask).is_ok() && mask.get(token)
     }
 }

@@ -43,8 +43,6 @@ pub mod api;
 mod deepseek4_backend;
 pub mod disk;
 mod fake;
-#[cfg(feature = "grammar")]
-mod grammar_constraint;
 mod model_backend;
 pub mod prefix;
 pub mod scheduler;
@@ -52,10 +50,10 @@ mod slots;
 mod step;
 
 pub use api::{
-    BackendError, Completion, Engine, EngineConfig, EngineError, EngineMetrics, Event, EventIter,
-    FinishReason, ForwardBackend, ForwardRow, GenerateRequest, KvSlot, RequestHandle,
-    SamplingParams, SpecConfig, SpecMode, SpecStats, StopCause, SubmitError, Timings,
-    TokenConstraint, TokenMask, Usage,
+    BackendError, Completion, ConstraintError, Engine, EngineConfig, EngineError, EngineMetrics,
+    Event, EventIter, FinishReason, ForwardBackend, ForwardRow, GenerateRequest, KvSlot,
+    RequestHandle, SamplingParams, SpecConfig, SpecMode, SpecStats, StopCause, SubmitError,
+    Timings, TokenConstraint, TokenMask, Usage,
 };
 pub use deepseek4_backend::Deepseek4Backend;
 pub use disk::{DiskCacheConfig, DiskCacheMetrics, DiskCacheState, KV_NUMERICS_VERSION};

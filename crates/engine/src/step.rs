@@ -24,8 +24,7 @@ use crate::scheduler::{KvBudget, RunningSeq, SchedLimits, StepPlan, WaitingSeq, 
 use sampling::{ChoiceContext, Sampler, SamplingParams, StopChecker, StopStep};
 use sha2::{Digest, Sha256};
 use spec::{
-    CostModel, DraftContext, DraftMirror, Drafter, DrafterKind, Mirror, PolicyConfig, SeqPolicy,
-    SpecStats,
+    CostModel, DraftContext, Drafter, DrafterKind, Mirror, PolicyConfig, SeqPolicy, SpecStats,
 };
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -375,27 +374,6 @@ struct SeqSpec {
     margin: Option<f32>,
 }
 
-/// The speculative mirror: a fork of a sequence's constraint, as drafters see it.
-struct ConstraintMirror(Box<dyn TokenConstraint>);
-
-impl DraftMirror for ConstraintMirror {
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
-        self.0.compute_mask(mask)
-    }
-    fn accepts(&mut self, token: u32) -> bool {
-        self.0.accepts(token)
-    }
-    fn consume(&mut self, token: u32) -> Result<(), String> {
-        self.0.consume(token)
-    }
-    fn is_finished(&self) -> bool {
-        self.0.is_finished()
-    }
-    fn forced_tokens(&mut self) -> Vec<u32> {
-        self.0.forced_tokens()
-    }
-}
-
 impl Seq<'_> {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
@@ -436,6 +414,8 @@ struct Loop<'t> {
     sampler: Sampler,
     never: TokenMask,
     mask: TokenMask,
+    /// The speculative mirror's mask buffer, reused by every proposal.
+    draft_mask: TokenMask,
     logits: Vec<f32>,
     /// The last forward's row summaries when the backend summarizes.
     summaries: Vec<sampling::RowSummary>,
@@ -481,6 +461,7 @@ fn run(
         sampler: Sampler::new(),
         never,
         mask: TokenMask::new(limits.n_vocab),
+        draft_mask: TokenMask::new(limits.n_vocab),
         logits: Vec::new(),
         summaries: Vec::new(),
         row_buf: Vec::new(),
@@ -1386,9 +1367,9 @@ impl<'t> Loop<'t> {
             }
             let allow_costly = !sp.cfg.cost_model || self.cost.costly_pays(room);
             self.metrics.spec_draft_model_on = allow_costly;
-            let mut fork = s.constraint.as_ref().map(|c| ConstraintMirror(c.fork()));
+            let mut fork = s.constraint.as_ref().map(|c| c.fork());
             let mut mirror = match fork.as_mut() {
-                Some(f) => Mirror::new(f, n_vocab),
+                Some(f) => Mirror::with_scratch(f.as_mut(), &mut self.draft_mask),
                 None => Mirror::unconstrained(),
             };
             let ctx = DraftContext {

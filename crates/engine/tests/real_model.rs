@@ -185,7 +185,6 @@ fn smollm2_batched_reused_and_preempted_sequences_equal_each_run_alone() {
     e.shutdown();
 }
 
-#[cfg(feature = "grammar")]
 #[test]
 fn smollm2_grammar_constrained_output_matches_and_is_batch_invariant() {
     use grammar::{Constraint, GrammarLimits, TokenEnv};
@@ -234,7 +233,6 @@ fn smollm2_grammar_constrained_output_matches_and_is_batch_invariant() {
     ));
 }
 
-#[cfg(feature = "grammar")]
 /// `[0-9]{3}-[a-z]{2,4}` checked by hand (no regex dependency).
 fn regex_lite_match(s: &str) -> bool {
     let b = s.as_bytes();

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use llguidance::api::{GrammarInit, GrammarWithLexer, ParserLimits, TopLevelGrammar};
 use llguidance::{JsonCompileOptions, Logger, Matcher};
 use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
 use toktrie::InferenceCapabilities;
 
 use crate::GrammarLimits;
@@ -332,6 +333,73 @@ impl Constraint {
     }
 }
 
+/// A constraint's identity for caches of compiled grammars: SHA-256 of the constraint's
+/// canonical serialization ([`Constraint::key`]). Equal keys mean the same compiled grammar.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConstraintKey([u8; 32]);
+
+impl ConstraintKey {
+    /// The digest bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for ConstraintKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+impl std::fmt::Debug for ConstraintKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ConstraintKey({self})")
+    }
+}
+
+/// Version of the serialization [`Constraint::key`] hashes; bump it when it changes.
+const KEY_VERSION: &[u8] = b"lockstep-constraint-key-v1";
+
+impl Constraint {
+    /// The constraint's cache key: SHA-256 over a canonical serialization — every field
+    /// as a tag byte, a little-endian `u64` length and the bytes, so no two different
+    /// constraints serialize alike. A JSON Schema is its compact JSON text with object
+    /// members in the schema's own order (llguidance generates properties in that order,
+    /// so a reordered schema is a different grammar). Cheap next to compiling: one pass
+    /// over the source, no `Debug` formatting of the schema.
+    pub fn key(&self) -> ConstraintKey {
+        let mut h = Sha256::new();
+        let mut field = |tag: u8, bytes: &[u8]| {
+            h.update([tag]);
+            h.update((bytes.len() as u64).to_le_bytes());
+            h.update(bytes);
+        };
+        field(b'V', KEY_VERSION);
+        match &self.source {
+            ConstraintSource::JsonSchema(schema) => {
+                // Serializing a `Value` cannot fail (its map keys are strings).
+                let text = serde_json::to_vec(schema).unwrap_or_default();
+                field(b'S', &text);
+            }
+            ConstraintSource::JsonObject => field(b'O', &[]),
+            ConstraintSource::Regex(rx) => field(b'R', rx.as_bytes()),
+            ConstraintSource::Lark(text) => field(b'L', text.as_bytes()),
+            ConstraintSource::Choice(choices) => {
+                field(b'C', &(choices.len() as u64).to_le_bytes());
+                for c in choices {
+                    field(b'c', c.as_bytes());
+                }
+            }
+        }
+        field(b'T', &[u8::from(self.think), u8::from(self.think_opened)]);
+        match self.json_whitespace {
+            JsonWhitespace::Compact => field(b'W', &[]),
+            JsonWhitespace::Bounded { max_run } => field(b'B', &[max_run]),
+        }
+        ConstraintKey(h.finalize().into())
+    }
+}
+
 impl Constraint {
     /// The mask words of tokens this constraint may ever allow. Special tokens are kept
     /// only where the constraint names them: the think markers, and in Lark text every
@@ -557,6 +625,43 @@ impl GrammarLimits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_are_equal_for_equal_constraints_and_differ_otherwise() {
+        let schema = || json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        assert_eq!(
+            Constraint::json_schema(schema()).key(),
+            Constraint::json_schema(schema()).key()
+        );
+        let c = Constraint::regex("[0-9]+").with_think(true);
+        assert_eq!(c.clone().key(), c.key());
+        let distinct = [
+            Constraint::json_schema(schema()),
+            Constraint::json_schema(
+                json!({"type": "object", "properties": {"a": {"type": "number"}}}),
+            ),
+            Constraint::json_schema(schema()).with_think(true),
+            Constraint::json_schema(schema()).with_think_opened(),
+            Constraint::json_schema(schema()).with_json_whitespace(JsonWhitespace::Compact),
+            Constraint::json_schema(schema())
+                .with_json_whitespace(JsonWhitespace::Bounded { max_run: 4 }),
+            Constraint::json_object(),
+            Constraint::regex("a"),
+            Constraint::lark("a"),
+            Constraint::choice(["a"]),
+            Constraint::choice(["a", "b"]),
+            Constraint::choice(["a\u{0}b"]),
+            Constraint::choice(["ab"]),
+            Constraint::choice(Vec::<String>::new()),
+        ];
+        let keys: Vec<ConstraintKey> = distinct.iter().map(Constraint::key).collect();
+        for (i, a) in keys.iter().enumerate() {
+            for (j, b) in keys.iter().enumerate().skip(i + 1) {
+                assert_ne!(a, b, "{:?} and {:?}", distinct[i], distinct[j]);
+            }
+        }
+        assert_eq!(keys[0].to_string().len(), 64);
+    }
 
     #[test]
     fn lark_regex_literals_skip_strings_and_comments() {

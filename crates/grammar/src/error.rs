@@ -1,6 +1,7 @@
 //! The crate's one error type: what went wrong building a token environment, compiling a
 //! constraint, or driving a matcher.
 
+use sampling::ConstraintError;
 use thiserror::Error;
 
 /// Errors of the grammar crate. Compile-time errors say which part of the constraint is at
@@ -86,6 +87,45 @@ pub enum GrammarError {
     /// internal failure); it cannot continue.
     #[error("matcher failed: {0}")]
     Matcher(String),
+}
+
+impl From<GrammarError> for ConstraintError {
+    /// The same condition in the constraint interface's terms (the message is kept):
+    /// matcher conditions map one to one, compile-time faults are
+    /// [`ConstraintError::Invalid`], budget overruns [`ConstraintError::TooComplex`].
+    fn from(e: GrammarError) -> ConstraintError {
+        match e {
+            GrammarError::TokenOutOfRange { token, n_logits } => {
+                ConstraintError::TokenOutOfRange { token, n_logits }
+            }
+            GrammarError::TokenRejected {
+                token,
+                text,
+                position,
+            } => ConstraintError::TokenRejected {
+                token,
+                text,
+                position,
+            },
+            GrammarError::DeadEnd { position } => ConstraintError::DeadEnd { position },
+            GrammarError::Rollback {
+                requested,
+                available,
+            } => ConstraintError::Rollback {
+                requested,
+                available,
+            },
+            GrammarError::TooComplex(msg) => ConstraintError::TooComplex(msg),
+            e @ GrammarError::Matcher(_) => ConstraintError::Failed(e.to_string()),
+            e @ (GrammarError::Vocabulary(_)
+            | GrammarError::UnsupportedSchemaKeyword { .. }
+            | GrammarError::InvalidSchema(_)
+            | GrammarError::InvalidRegex(_)
+            | GrammarError::InvalidLark(_)
+            | GrammarError::InvalidChoice(_)
+            | GrammarError::EmptyLanguage(_)) => ConstraintError::Invalid(e.to_string()),
+        }
+    }
 }
 
 /// Which kind of source an llguidance compile error came from, to pick the variant.

@@ -33,11 +33,14 @@
 mod constraint;
 mod env;
 mod error;
+pub mod lark;
 mod limits;
 mod matcher;
 mod schema_check;
 
-pub use constraint::{CompiledConstraint, Constraint, ConstraintSource, JsonWhitespace};
+pub use constraint::{
+    CompiledConstraint, Constraint, ConstraintKey, ConstraintSource, JsonWhitespace,
+};
 pub use env::TokenEnv;
 pub use error::GrammarError;
 pub use limits::GrammarLimits;

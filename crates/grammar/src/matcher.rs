@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use llguidance::Matcher;
 use llguidance::api::StopReason;
-use sampling::TokenMask;
+use sampling::{ConstraintError, TokenConstraint, TokenMask};
 
 use crate::env::TokenEnv;
 use crate::error::GrammarError;
@@ -33,8 +33,6 @@ pub struct GrammarMatcher {
     forced_first: Option<Option<u32>>,
     /// The last `accepts` answer in this state.
     checked: Option<(u32, bool)>,
-    /// Scratch for mask conversion.
-    words: Vec<u64>,
 }
 
 impl Clone for GrammarMatcher {
@@ -67,7 +65,6 @@ impl GrammarMatcher {
             after_stop: 0,
             forced_first: None,
             checked: None,
-            words: Vec::new(),
         }
     }
 
@@ -83,7 +80,6 @@ impl GrammarMatcher {
             after_stop: self.after_stop,
             forced_first: self.forced_first,
             checked: self.checked,
-            words: Vec::new(),
         }
     }
 
@@ -129,7 +125,8 @@ impl GrammarMatcher {
         }
     }
 
-    /// Writes the set of tokens allowed next into `out` (resized to the logit width).
+    /// Writes the set of tokens allowed next into `out` (set to the logit width, its
+    /// allocation reused).
     /// Blocked ids (padding, never-sample, past the vocabulary) and special tokens the
     /// constraint does not name are never in it; EOS ids are
     /// in it exactly where the constraint accepts; after the output is complete only EOS ids.
@@ -142,20 +139,12 @@ impl GrammarMatcher {
         let n = self.env.n_logits();
         let src = vob.as_slice();
         let allowed = &self.allowed;
-        let mut words = std::mem::take(&mut self.words);
-        words.clear();
-        words.extend((0..n.div_ceil(64)).map(|i| {
+        out.fill_words(n, |i| {
             let lo = src.get(2 * i).copied().unwrap_or(0) as u64;
             let hi = src.get(2 * i + 1).copied().unwrap_or(0) as u64;
             (lo | hi << 32) & allowed.get(i).copied().unwrap_or(0)
-        }));
-        let any = words.iter().any(|&w| w != 0);
-        match TokenMask::from_words(n, words.clone()) {
-            Ok(mask) => *out = mask,
-            Err(e) => return Err(GrammarError::Matcher(e.to_string())),
-        }
-        self.words = words;
-        if any {
+        });
+        if out.words().iter().any(|&w| w != 0) {
             Ok(())
         } else {
             Err(GrammarError::DeadEnd {
@@ -316,5 +305,37 @@ impl GrammarMatcher {
         self.consumed -= n;
         self.state_changed();
         Ok(())
+    }
+}
+
+/// The engine drives a matcher through [`TokenConstraint`]; errors become
+/// [`ConstraintError`]s with the same messages.
+impl TokenConstraint for GrammarMatcher {
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
+        GrammarMatcher::compute_mask(self, mask).map_err(ConstraintError::from)
+    }
+
+    fn accepts(&mut self, token: u32) -> bool {
+        GrammarMatcher::accepts(self, token)
+    }
+
+    fn consume(&mut self, token: u32) -> Result<(), ConstraintError> {
+        GrammarMatcher::consume(self, token).map_err(ConstraintError::from)
+    }
+
+    fn rollback(&mut self, n: usize) -> Result<(), ConstraintError> {
+        GrammarMatcher::rollback(self, n).map_err(ConstraintError::from)
+    }
+
+    fn fork(&self) -> Box<dyn TokenConstraint> {
+        Box::new(GrammarMatcher::fork(self))
+    }
+
+    fn forced_tokens(&mut self) -> Vec<u32> {
+        GrammarMatcher::forced_tokens(self)
+    }
+
+    fn is_finished(&self) -> bool {
+        GrammarMatcher::is_finished(self)
     }
 }

@@ -1,7 +1,7 @@
 //! Structured-output constraints for the engine: the think-block rule every front end
 //! applies ([`think_rule`]: a model that thinks first keeps its `<think>…</think>` block
-//! free, the constraint applies after `</think>`), grammar matchers wrapped as
-//! [`engine::TokenConstraint`], the lazy tool-call constraint (free text until the model
+//! free, the constraint applies after `</think>`), grammar matchers (which implement
+//! [`engine::TokenConstraint`] themselves), the lazy tool-call constraint (free text until the model
 //! opens a tool-call envelope, then the envelope grammar), and a small cache of compiled
 //! grammars so repeated requests (agents resend the same tools every turn) compile once.
 
@@ -9,8 +9,10 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use chat::ChatTemplate;
-use engine::{TokenConstraint, TokenMask};
-use grammar::{CompiledConstraint, Constraint, GrammarLimits, GrammarMatcher, TokenEnv};
+use engine::{ConstraintError, TokenConstraint, TokenMask};
+use grammar::{
+    CompiledConstraint, Constraint, ConstraintKey, GrammarLimits, GrammarMatcher, TokenEnv,
+};
 use text::Tokenizer;
 
 /// Where a chat reply's reasoning segment stands, as the rendered prompt shows it.
@@ -103,7 +105,7 @@ impl ConstraintPlan {
     /// A fresh constraint for one sequence.
     pub fn instantiate(&self, env: &Arc<TokenEnv>) -> Box<dyn TokenConstraint> {
         match self {
-            ConstraintPlan::Grammar(c) => Box::new(MatcherConstraint(c.matcher())),
+            ConstraintPlan::Grammar(c) => Box::new(c.matcher()),
             ConstraintPlan::LazyTools { trigger, calls } => Box::new(LazyToolConstraint {
                 env: Arc::clone(env),
                 trigger: trigger.as_bytes().to_vec(),
@@ -112,30 +114,6 @@ impl ConstraintPlan {
                 engaged: None,
             }),
         }
-    }
-}
-
-/// A grammar matcher as the engine's constraint.
-pub struct MatcherConstraint(pub GrammarMatcher);
-
-impl TokenConstraint for MatcherConstraint {
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
-        self.0.compute_mask(mask).map_err(|e| e.to_string())
-    }
-    fn consume(&mut self, token: u32) -> Result<(), String> {
-        self.0.consume(token).map_err(|e| e.to_string())
-    }
-    fn is_finished(&self) -> bool {
-        self.0.is_finished()
-    }
-    fn rollback(&mut self, n: usize) -> Result<(), String> {
-        self.0.rollback(n).map_err(|e| e.to_string())
-    }
-    fn fork(&self) -> Box<dyn TokenConstraint> {
-        Box::new(MatcherConstraint(self.0.fork()))
-    }
-    fn forced_tokens(&mut self) -> Vec<u32> {
-        self.0.forced_tokens()
     }
 }
 
@@ -173,24 +151,49 @@ impl LazyToolConstraint {
     }
 }
 
+impl LazyToolConstraint {
+    /// Whether `token` is allowed while the output is free text: any id the environment
+    /// does not block.
+    fn free(&self, token: u32) -> bool {
+        (token as usize) < self.env.n_logits() && !self.env.blocked().get(token)
+    }
+}
+
 impl TokenConstraint for LazyToolConstraint {
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
         match &mut self.engaged {
-            Some((_, m)) => m.compute_mask(mask).map_err(|e| e.to_string()),
+            Some((_, m)) => m.compute_mask(mask).map_err(ConstraintError::from),
             None => {
-                let words: Vec<u64> = self.env.blocked().words().iter().map(|w| !w).collect();
-                *mask =
-                    TokenMask::from_words(self.env.n_logits(), words).map_err(|e| e.to_string())?;
+                let blocked = self.env.blocked().words();
+                mask.fill_words(self.env.n_logits(), |i| {
+                    !blocked.get(i).copied().unwrap_or(u64::MAX)
+                });
                 Ok(())
             }
         }
     }
 
-    fn consume(&mut self, token: u32) -> Result<(), String> {
-        self.history.push(token);
-        if let Some((_, m)) = &mut self.engaged {
-            return m.consume(token).map_err(|e| e.to_string());
+    fn accepts(&mut self, token: u32) -> bool {
+        match &mut self.engaged {
+            Some((_, m)) => m.accepts(token),
+            None => self.free(token),
         }
+    }
+
+    fn consume(&mut self, token: u32) -> Result<(), ConstraintError> {
+        if let Some((_, m)) = &mut self.engaged {
+            m.consume(token)?;
+            self.history.push(token);
+            return Ok(());
+        }
+        if !self.free(token) {
+            return Err(ConstraintError::TokenRejected {
+                token,
+                text: String::from_utf8_lossy(self.env.grammar_bytes(token)).into_owned(),
+                position: self.history.len(),
+            });
+        }
+        self.history.push(token);
         if let Some(k) = self.trigger_tokens() {
             let mut m = self.calls.matcher();
             let start = self.history.len() - k;
@@ -209,19 +212,19 @@ impl TokenConstraint for LazyToolConstraint {
         self.engaged.as_ref().is_some_and(|(_, m)| m.is_finished())
     }
 
-    fn rollback(&mut self, n: usize) -> Result<(), String> {
+    fn rollback(&mut self, n: usize) -> Result<(), ConstraintError> {
         if n > self.history.len() {
-            return Err(format!(
-                "cannot roll back {n} tokens, only {} consumed",
-                self.history.len()
-            ));
+            return Err(ConstraintError::Rollback {
+                requested: n,
+                available: self.history.len(),
+            });
         }
         let new_len = self.history.len() - n;
         if let Some((start, m)) = &mut self.engaged {
             if new_len <= *start {
                 self.engaged = None;
             } else {
-                m.rollback(n).map_err(|e| e.to_string())?;
+                m.rollback(n)?;
             }
         }
         self.history.truncate(new_len);
@@ -246,11 +249,12 @@ impl TokenConstraint for LazyToolConstraint {
     }
 }
 
-/// A bounded cache of compiled constraints keyed by their source text.
+/// A bounded cache of compiled constraints keyed by [`Constraint::key`] (a SHA-256 of the
+/// constraint's canonical serialization), least recently used evicted first.
 pub struct GrammarCache {
     env: Arc<TokenEnv>,
     limits: GrammarLimits,
-    entries: Mutex<VecDeque<(String, CompiledConstraint)>>,
+    entries: Mutex<VecDeque<(ConstraintKey, CompiledConstraint)>>,
     capacity: usize,
 }
 
@@ -278,13 +282,23 @@ impl GrammarCache {
         &self.env
     }
 
+    /// How many compiled constraints the cache holds.
+    pub fn len(&self) -> usize {
+        self.entries.lock().map_or(0, |e| e.len())
+    }
+
+    /// Whether the cache holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Compiles `constraint` (or takes it from the cache). Blocking: call it off the async
     /// runtime.
     pub fn compile(
         &self,
         constraint: &Constraint,
     ) -> Result<CompiledConstraint, grammar::GrammarError> {
-        let key = format!("{:?}", constraint);
+        let key = constraint.key();
         if let Ok(mut entries) = self.entries.lock()
             && let Some(pos) = entries.iter().position(|(k, _)| *k == key)
             && let Some(entry) = entries.remove(pos)
@@ -307,6 +321,84 @@ impl GrammarCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::OnceLock;
+
+    fn qwen_env() -> &'static Arc<TokenEnv> {
+        static ENV: OnceLock<Arc<TokenEnv>> = OnceLock::new();
+        ENV.get_or_init(|| {
+            let path = hub::ensure_model("qwen2.5-coder-0.5b").expect("model file");
+            let file = gguf::GgufFile::open(&path).expect("gguf");
+            let tok = Arc::new(Tokenizer::from_gguf(&file).expect("tokenizer"));
+            TokenEnv::new(tok).expect("token env")
+        })
+    }
+
+    #[test]
+    fn the_cache_keys_by_the_canonical_constraint() {
+        let cache = GrammarCache::new(Arc::clone(qwen_env()), 4);
+        let schema =
+            || serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        cache.compile(&Constraint::json_schema(schema())).unwrap();
+        cache.compile(&Constraint::json_schema(schema())).unwrap();
+        assert_eq!(cache.len(), 1, "an equal constraint compiled again");
+        cache
+            .compile(&Constraint::json_schema(schema()).with_think(true))
+            .unwrap();
+        assert_eq!(cache.len(), 2);
+        let bad = cache.compile(&Constraint::lark("start: ((")).unwrap_err();
+        assert!(matches!(
+            ConstraintError::from(bad),
+            ConstraintError::Invalid(_)
+        ));
+        assert_eq!(cache.len(), 2, "a failed compile is not cached");
+    }
+
+    #[test]
+    fn the_lazy_tool_constraint_keeps_the_contract_before_and_after_the_trigger() {
+        let env = qwen_env();
+        let cache = GrammarCache::new(Arc::clone(env), 4);
+        let calls = cache
+            .compile(&Constraint::lark(
+                "start: \"<tool_call>\" \"\\n\" /[a-z]{1,8}/ \"\\n</tool_call>\"",
+            ))
+            .unwrap();
+        let plan = ConstraintPlan::LazyTools {
+            trigger: "<tool_call>".to_string(),
+            calls,
+        };
+        let mut c = plan.instantiate(env);
+        let n = env.n_logits();
+        sampling::check_contract(c.as_mut(), n).unwrap();
+        let tok = env.tokenizer();
+        let text = tok.encode("Sure.", text::EncodeOptions::plain_text());
+        let mut consumed = text.len() + 1;
+        for t in text {
+            c.consume(t).unwrap();
+        }
+        sampling::check_contract(c.as_mut(), n).unwrap();
+        let trigger = tok.encode("<tool_call>", text::EncodeOptions::raw_prompt());
+        assert_eq!(trigger.len(), 1, "Qwen's start marker is one token");
+        c.consume(trigger[0]).unwrap();
+        let word = tok.encode("\nabc", text::EncodeOptions::plain_text());
+        assert!(!c.accepts(tok.encode("!", text::EncodeOptions::plain_text())[0]));
+        sampling::check_contract(c.as_mut(), n).unwrap();
+        consumed += word.len();
+        let engaged = word.len() + 1;
+        for t in word {
+            c.consume(t).unwrap();
+        }
+        sampling::check_contract(c.as_mut(), n).unwrap();
+        let mut fork = c.fork();
+        fork.rollback(engaged).unwrap();
+        assert!(fork.accepts(tok.encode("!", text::EncodeOptions::plain_text())[0]));
+        assert_eq!(
+            c.rollback(100),
+            Err(ConstraintError::Rollback {
+                requested: 100,
+                available: consumed
+            })
+        );
+    }
 
     #[test]
     fn reasoning_segment_follows_the_generation_prompt() {

@@ -24,11 +24,26 @@ const NEVER: &[(&str, &[&str])] = &[
     ("model", &["text", "chat", "grammar", "engine", "server"]),
     (
         "spec",
-        &["engine", "server", "runtime", "cli", "backend-cuda"],
+        &[
+            "engine",
+            "server",
+            "runtime",
+            "cli",
+            "backend-cuda",
+            "grammar",
+        ],
     ),
     (
         "engine",
-        &["server", "runtime", "cli", "backend-cuda", "hub", "chat"],
+        &[
+            "server",
+            "runtime",
+            "cli",
+            "backend-cuda",
+            "hub",
+            "chat",
+            "grammar",
+        ],
     ),
     ("runtime", &["server", "cli", "backend-cuda"]),
     ("server", &["cli", "backend-cuda"]),

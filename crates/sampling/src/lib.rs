@@ -37,6 +37,7 @@
 //! ```
 
 mod choose;
+mod constraint;
 mod logprob;
 mod mask;
 mod noise;
@@ -44,6 +45,7 @@ mod params;
 mod stop;
 
 pub use choose::{Choice, ChoiceContext, SampleError, Sampler, choose};
+pub use constraint::{ConstraintError, ContractViolation, TokenConstraint, check_contract};
 pub use logprob::{RowSummary, SUMMARY_LANES, TokenLogprob, row_summary, top_logprobs};
 pub use mask::{MaskError, TokenMask};
 pub use noise::{NoiseKey, gumbel, gumbel_from_bits};

@@ -76,6 +76,16 @@ impl TokenMask {
         Ok(mask)
     }
 
+    /// Makes the mask a set over `len` tokens whose word `i` is `word(i)`, for `i` in
+    /// `0..ceil(len / 64)`, reusing the allocation (bits beyond `len` are cleared). The
+    /// way to refill a mask every token without allocating.
+    pub fn fill_words(&mut self, len: usize, mut word: impl FnMut(usize) -> u64) {
+        self.len = len;
+        self.words.clear();
+        self.words.extend((0..len.div_ceil(64)).map(&mut word));
+        self.clear_tail();
+    }
+
     fn clear_tail(&mut self) {
         let rem = self.len % 64;
         if rem != 0
@@ -210,6 +220,18 @@ mod tests {
             })
         );
         assert!(!m.get(u32::MAX));
+    }
+
+    #[test]
+    fn fill_words_reuses_the_allocation_and_clears_the_tail() {
+        let mut m = TokenMask::allow_all(200);
+        let before = m.words().as_ptr();
+        m.fill_words(70, |i| if i == 0 { 0b1010 } else { u64::MAX });
+        assert_eq!(m.len(), 70);
+        assert_eq!(m.words().as_ptr(), before);
+        assert_eq!(m.iter().take(2).collect::<Vec<_>>(), vec![1, 3]);
+        assert_eq!(m.count(), 2 + 6);
+        assert!(!m.get(70));
     }
 
     #[test]

@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use chat::{Message, MessageContent};
 use engine::{GenerateRequest, SamplingParams};
 use grammar::Constraint;
-use serde_json::Value;
+use grammar::lark::{Expr, Grammar, JsonLayout};
+use serde_json::{Value, json};
 
 use crate::api::{ResponseFormat, SamplingFields};
 use crate::error::ApiError;
@@ -445,40 +446,54 @@ pub fn constraint_plan(
             },
         }
     }
-    let calls = setup.calls_lark(model.tool_format())?;
+    let calls = setup.calls_grammar(model.tool_format())?;
     let grammar_err = |e: grammar::GrammarError| {
         ApiError::invalid(
             tools_param,
             format!("the tools do not form a valid grammar: {e}"),
         )
     };
+    // `start` (and for `auto` with a JSON response format, `answer`) before the calls.
+    let lark = |start: Expr, answer: Option<Expr>| {
+        let mut g = Grammar::new();
+        g.rule("start", start);
+        if let Some(answer) = answer {
+            g.rule("answer", answer);
+        }
+        g.extend(calls.clone());
+        g.to_lark()
+            .map(Constraint::lark)
+            .map_err(|e| ApiError::Internal(format!("the tools grammar: {e}")))
+    };
+    let answer_or_calls = |schema: &Value| {
+        lark(
+            Expr::alt([Expr::rule("answer"), Expr::rule("calls")]),
+            Some(Expr::json(schema, JsonLayout::Llguidance)),
+        )
+    };
     match &setup.mode {
         ToolMode::Required | ToolMode::Named(_) => {
             let c = cache
-                .compile(&think(Constraint::lark(format!("start: calls\n{calls}"))))
+                .compile(&think(lark(Expr::rule("calls"), None)?))
                 .map_err(grammar_err)?;
             Ok(Some(ConstraintPlan::Grammar(c)))
         }
         ToolMode::Auto => match format.as_ref().map(Constraint::source) {
             Some(grammar::ConstraintSource::JsonSchema(schema)) => {
-                let lark = format!("start: answer | calls\nanswer: %json {schema}\n{calls}");
                 let c = cache
-                    .compile(&think(Constraint::lark(lark)))
+                    .compile(&think(answer_or_calls(schema)?))
                     .map_err(grammar_err)?;
                 Ok(Some(ConstraintPlan::Grammar(c)))
             }
             Some(grammar::ConstraintSource::JsonObject) => {
-                let lark = format!(
-                    "start: answer | calls\nanswer: %json {{\"type\": \"object\"}}\n{calls}"
-                );
                 let c = cache
-                    .compile(&think(Constraint::lark(lark)))
+                    .compile(&think(answer_or_calls(&json!({"type": "object"}))?))
                     .map_err(grammar_err)?;
                 Ok(Some(ConstraintPlan::Grammar(c)))
             }
             _ => {
                 let c = cache
-                    .compile(&Constraint::lark(format!("start: calls\n{calls}")))
+                    .compile(&lark(Expr::rule("calls"), None)?)
                     .map_err(grammar_err)?;
                 Ok(Some(ConstraintPlan::LazyTools {
                     trigger: model.tool_format().start_marker().to_string(),

@@ -11,6 +11,7 @@
 //!   regex grammar applies to it directly.
 
 use chat::{ToolCallFormat, ToolStreamEvent, ToolStreamParser};
+use grammar::lark::{Expr, Grammar, JsonLayout};
 use serde_json::{Value, json};
 
 use crate::error::ApiError;
@@ -194,10 +195,9 @@ impl ToolSetup {
         }
     }
 
-    /// Lark rules defining `calls` (one call, or several separated by a newline when
-    /// parallel) for the callable tools.
-    pub fn calls_lark(&self, format: &dyn ToolCallFormat) -> Result<String, ApiError> {
-        let mut out = String::new();
+    /// The rules defining `calls` (one call, or several separated by a newline when
+    /// parallel) for the callable tools, built with [`grammar::lark`].
+    pub fn calls_grammar(&self, format: &dyn ToolCallFormat) -> Result<Grammar, ApiError> {
         let tools = self.callable();
         // Formats with their own calls grammar (DSML): function tools only.
         let functions: Vec<(&str, &Value)> = tools
@@ -207,7 +207,7 @@ impl ToolSetup {
                 ToolKind::Custom { .. } => None,
             })
             .collect();
-        if let Some(lark) = format.calls_lark(&functions, self.parallel) {
+        if let Some(rules) = format.calls_lark(&functions, self.parallel) {
             if functions.len() < tools.len() {
                 return Err(ApiError::invalid(
                     "tools",
@@ -217,67 +217,79 @@ impl ToolSetup {
                     ),
                 ));
             }
-            return lark.map_err(|e| ApiError::invalid("tools", e));
+            let rules = rules.map_err(|e| ApiError::invalid("tools", e))?;
+            let mut g = Grammar::new();
+            g.extend_text(rules);
+            return Ok(g);
         }
-        let names: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
+        let mut g = Grammar::new();
         if self.parallel {
-            out.push_str("calls: call (\"\\n\" call)*\n");
+            g.rule(
+                "calls",
+                Expr::seq([
+                    Expr::rule("call"),
+                    Expr::seq([Expr::lit("\n"), Expr::rule("call")]).star(),
+                ]),
+            );
         } else {
-            out.push_str("calls: call\n");
+            g.rule("calls", Expr::rule("call"));
         }
-        out.push_str(&format!("call: {}\n", names.join(" | ")));
+        g.rule(
+            "call",
+            Expr::alt((0..tools.len()).map(|i| Expr::rule(format!("call_{i}")))),
+        );
         for (i, t) in tools.iter().enumerate() {
+            let (call, input) = (format!("call_{i}"), format!("input_{i}"));
             match &t.kind {
                 ToolKind::Function { parameters } => {
                     let envelope = format.render_call(&t.name, ARGS_SLOT);
                     let (prefix, suffix) = envelope.split_once(ARGS_SLOT).ok_or_else(|| {
                         ApiError::Internal("tool-call envelope has no argument slot".into())
                     })?;
-                    out.push_str(&format!(
-                        "call_{i}: {} args_{i} {}\n",
-                        lark_string(prefix),
-                        lark_string(suffix)
-                    ));
-                    out.push_str(&format!(
-                        "args_{i}: %json {}\n",
-                        schema_with_options(parameters)
-                    ));
+                    let args = format!("args_{i}");
+                    g.rule(
+                        call,
+                        Expr::seq([Expr::lit(prefix), Expr::rule(&args), Expr::lit(suffix)]),
+                    );
+                    g.rule(
+                        args,
+                        Expr::json(&arguments_schema(parameters), JsonLayout::PythonDumps),
+                    );
                 }
-                ToolKind::Custom { format: input } => {
+                ToolKind::Custom { format: kind } => {
                     let header = custom_header(format, &t.name);
                     let end = format!("\n{}", format.end_marker());
-                    match input {
+                    match kind {
                         CustomFormat::Text => {
-                            out.push_str(&format!(
-                                "call_{i}: {} input_{i}\n",
-                                lark_string(&header)
-                            ));
-                            out.push_str(&format!(
-                                "input_{i}[lazy]: /(?s:.*){}/\n",
-                                lark_regex_escape(&regex_syntax_escape(&end))
-                            ));
+                            g.rule(call, Expr::seq([Expr::lit(header), Expr::rule(&input)]));
+                            g.lazy_rule(input, Expr::text_through(&end));
                         }
-                        CustomFormat::Lark(g) => {
-                            out.push_str(&format!(
-                                "call_{i}: {} input_{i} {}\n",
-                                lark_string(&header),
-                                lark_string(&end)
-                            ));
-                            out.push_str(&format!("input_{i}: %lark {{\n{g}\n}}\n"));
+                        CustomFormat::Lark(text) => {
+                            g.rule(
+                                call,
+                                Expr::seq([Expr::lit(header), Expr::rule(&input), Expr::lit(end)]),
+                            );
+                            g.rule(input, Expr::lark(text.clone()));
                         }
                         CustomFormat::Regex(rx) => {
-                            out.push_str(&format!(
-                                "call_{i}: {} input_{i} {}\n",
-                                lark_string(&header),
-                                lark_string(&end)
-                            ));
-                            out.push_str(&format!("input_{i}: /{}/\n", lark_regex_escape(rx)));
+                            g.rule(
+                                call,
+                                Expr::seq([Expr::lit(header), Expr::rule(&input), Expr::lit(end)]),
+                            );
+                            g.rule(input, Expr::regex(rx.clone()));
                         }
                     }
                 }
             }
         }
-        Ok(out)
+        Ok(g)
+    }
+
+    /// [`ToolSetup::calls_grammar`] as Lark text.
+    pub fn calls_lark(&self, format: &dyn ToolCallFormat) -> Result<String, ApiError> {
+        self.calls_grammar(format)?
+            .to_lark()
+            .map_err(|e| ApiError::Internal(format!("the tools grammar: {e}")))
     }
 }
 
@@ -293,70 +305,14 @@ pub fn custom_header(format: &dyn ToolCallFormat, name: &str) -> String {
     )
 }
 
-/// A Lark string literal for `s` (JSON escaping is what llguidance's Lark reads).
-pub fn lark_string(s: &str) -> String {
-    Value::String(s.to_string()).to_string()
-}
-
-/// `rx` with unescaped `/` and raw newlines escaped for a Lark `/…/` literal.
-pub fn lark_regex_escape(rx: &str) -> String {
-    let mut out = String::with_capacity(rx.len() + 8);
-    let mut escaped = false;
-    for c in rx.chars() {
-        match (escaped, c) {
-            (true, _) => {
-                out.push(c);
-                escaped = false;
-            }
-            (false, '\\') => {
-                out.push(c);
-                escaped = true;
-            }
-            (false, '/') => out.push_str("\\/"),
-            (false, '\n') => out.push_str("\\n"),
-            (false, '\r') => out.push_str("\\r"),
-            (false, _) => out.push(c),
-        }
-    }
-    out
-}
-
-/// Escapes regex metacharacters of a literal (and writes a newline as `\n`).
-fn regex_syntax_escape(s: &str) -> String {
-    let mut out = String::new();
-    for c in s.chars() {
-        if "\\.+*?()|[]{}^$#&-~/".contains(c) {
-            out.push('\\');
-            out.push(c);
-        } else if c == '\n' {
-            out.push_str("\\n");
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-/// The schema with llguidance options for the arguments' layout: `", "` and `": "`
-/// separators and no other whitespace, the layout Qwen/Hermes models write.
-fn schema_with_options(schema: &Value) -> String {
-    let mut schema = match schema {
+/// The arguments' schema of a function tool: its `parameters`, or any object where those
+/// are missing or empty. Laid out as Qwen/Hermes models write arguments
+/// ([`JsonLayout::PythonDumps`]).
+fn arguments_schema(schema: &Value) -> Value {
+    match schema {
         Value::Object(m) if !m.is_empty() => Value::Object(m.clone()),
         _ => json!({"type": "object"}),
-    };
-    if let Value::Object(m) = &mut schema {
-        m.insert(
-            "x-guidance".into(),
-            json!({
-                "item_separator": ", ",
-                "key_separator": ": ",
-                "whitespace_flexible": false,
-                "coerce_one_of": false,
-                "lenient": false
-            }),
-        );
     }
-    schema.to_string()
 }
 
 /// What the output parser reports.
@@ -644,8 +600,29 @@ mod tests {
     }
 
     #[test]
-    fn lark_regex_escape_escapes_only_bare_slashes() {
-        assert_eq!(lark_regex_escape(r"a/b\/c"), r"a\/b\/c");
-        assert_eq!(lark_regex_escape("x\ny"), r"x\ny");
+    fn custom_regex_and_text_inputs_are_escaped_for_lark() {
+        let mut s = setup(ToolMode::Named("rx".into()), false);
+        s.tools.push(ToolSpec {
+            name: "rx".into(),
+            description: None,
+            kind: ToolKind::Custom {
+                format: CustomFormat::Regex(r"a/b\/c".into()),
+            },
+        });
+        let lark = s.calls_lark(&chat::HermesFormat).unwrap();
+        assert!(lark.contains(r"input_0: /a\/b\/c/"), "{lark}");
+        let mut s = setup(ToolMode::Named("free".into()), false);
+        s.tools.push(ToolSpec {
+            name: "free".into(),
+            description: None,
+            kind: ToolKind::Custom {
+                format: CustomFormat::Text,
+            },
+        });
+        let lark = s.calls_lark(&chat::HermesFormat).unwrap();
+        assert!(
+            lark.contains(r"input_0[lazy]: /(?s:.*)\n<\/tool_call>/"),
+            "{lark}"
+        );
     }
 }

@@ -1,7 +1,7 @@
 //! The drafter interface: what a drafter sees ([`DraftContext`]), the grammar mirror it
-//! masks with ([`Mirror`] over a [`DraftMirror`]), and what it returns ([`DraftProposal`]).
+//! masks with ([`Mirror`] over a fork of the request's [`TokenConstraint`]), and what it returns ([`DraftProposal`]).
 
-use sampling::{SamplingParams, TokenMask};
+use sampling::{SamplingParams, TokenConstraint, TokenMask};
 
 /// Which drafter produced a token (counters and the cost model are kept per kind).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -188,29 +188,29 @@ impl DraftProposal {
     }
 }
 
-/// The speculative grammar mirror as a drafter sees it: a fork of the request's verified
-/// matcher that drafts advance. Implemented by the engine over its constraint type.
-pub trait DraftMirror {
-    /// Writes the set of tokens allowed next into `mask`.
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String>;
-    /// Whether `token` is allowed next.
-    fn accepts(&mut self, token: u32) -> bool;
-    /// Advances over `token`.
-    fn consume(&mut self, token: u32) -> Result<(), String>;
-    /// Whether the output is complete.
-    fn is_finished(&self) -> bool;
-    /// Tokens the constraint forces from here (empty = a free choice).
-    fn forced_tokens(&mut self) -> Vec<u32>;
-}
-
 /// The mirror a drafter masks its drafts with: the speculative grammar mirror when the
 /// request is constrained, nothing otherwise. Once a position allows nothing, the mirror is
 /// finished, or it fails, it is *stopped*: drafting ends there.
 pub struct Mirror<'a> {
-    inner: Option<&'a mut dyn DraftMirror>,
-    mask: TokenMask,
+    inner: Option<&'a mut dyn TokenConstraint>,
+    mask: MaskBuf<'a>,
     stopped: bool,
     advanced: usize,
+}
+
+/// The mirror's mask: its own, or a caller's buffer reused across proposals.
+enum MaskBuf<'a> {
+    Owned(TokenMask),
+    Borrowed(&'a mut TokenMask),
+}
+
+impl MaskBuf<'_> {
+    fn get_mut(&mut self) -> &mut TokenMask {
+        match self {
+            MaskBuf::Owned(m) => m,
+            MaskBuf::Borrowed(m) => m,
+        }
+    }
 }
 
 impl std::fmt::Debug for Mirror<'_> {
@@ -228,18 +228,29 @@ impl<'a> Mirror<'a> {
     pub fn unconstrained() -> Mirror<'a> {
         Mirror {
             inner: None,
-            mask: TokenMask::new(0),
+            mask: MaskBuf::Owned(TokenMask::new(0)),
             stopped: false,
             advanced: 0,
         }
     }
 
-    /// A mirror over the speculative fork `inner` (logit width `n_vocab`).
-    pub fn new(inner: &'a mut dyn DraftMirror, n_vocab: usize) -> Mirror<'a> {
+    /// A mirror over the speculative fork `inner` (logit width `n_vocab`), with a mask of
+    /// its own.
+    pub fn new(inner: &'a mut dyn TokenConstraint, n_vocab: usize) -> Mirror<'a> {
+        Mirror::with_mask(inner, MaskBuf::Owned(TokenMask::new(n_vocab)))
+    }
+
+    /// A mirror over the speculative fork `inner` that computes its masks into `mask` (a
+    /// buffer the caller keeps between proposals, so drafting allocates no mask).
+    pub fn with_scratch(inner: &'a mut dyn TokenConstraint, mask: &'a mut TokenMask) -> Mirror<'a> {
+        Mirror::with_mask(inner, MaskBuf::Borrowed(mask))
+    }
+
+    fn with_mask(inner: &'a mut dyn TokenConstraint, mask: MaskBuf<'a>) -> Mirror<'a> {
         let stopped = inner.is_finished();
         Mirror {
             inner: Some(inner),
-            mask: TokenMask::new(n_vocab),
+            mask,
             stopped,
             advanced: 0,
         }
@@ -270,15 +281,12 @@ impl<'a> Mirror<'a> {
         let Some(inner) = self.inner.as_mut() else {
             return Some(None);
         };
-        if inner.is_finished() || inner.compute_mask(&mut self.mask).is_err() {
+        let mask = self.mask.get_mut();
+        if inner.is_finished() || inner.compute_mask(mask).is_err() || mask.count() == 0 {
             self.stopped = true;
             return None;
         }
-        if self.mask.count() == 0 {
-            self.stopped = true;
-            return None;
-        }
-        Some(Some(&self.mask))
+        Some(Some(&*self.mask.get_mut()))
     }
 
     /// Whether `token` may be drafted at the current position (false once stopped).

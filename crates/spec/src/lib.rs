@@ -33,9 +33,7 @@ mod text_cursor;
 
 pub use chain::{Chain, FastForward};
 pub use draft_model::{DraftModel, DraftModelDrafter, check_same_tokenizer};
-pub use drafter::{
-    DraftContext, DraftMirror, DraftProposal, Drafter, DrafterKind, Mirror, TargetRows,
-};
+pub use drafter::{DraftContext, DraftProposal, Drafter, DrafterKind, Mirror, TargetRows};
 pub use dspark::{DsparkCounters, DsparkDraft, DsparkDrafter};
 pub use ngram::{NgramConfig, NgramDrafter, find_match};
 pub use policy::{

@@ -448,33 +448,49 @@ mod tests {
 #[cfg(test)]
 mod cursor_tests {
     use super::*;
-    use crate::drafter::DraftMirror;
-    use sampling::{SamplingParams, TokenMask};
+    use sampling::{ConstraintError, SamplingParams, TokenConstraint, TokenMask};
 
-    /// A grammar stand-in: rejects the "separator" ids (≥ 100) and accepts the rest.
+    /// A grammar stand-in over 200 ids: rejects the "separator" ids (≥ 100) and accepts
+    /// the rest.
     struct NoSeparators;
 
-    impl DraftMirror for NoSeparators {
-        fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
-            let _ = mask;
+    impl TokenConstraint for NoSeparators {
+        fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
+            mask.fill_words(200, |i| match i {
+                0 => u64::MAX,
+                1 => (1 << 36) - 1,
+                _ => 0,
+            });
             Ok(())
         }
         fn accepts(&mut self, token: u32) -> bool {
             token < 100
         }
-        fn consume(&mut self, token: u32) -> Result<(), String> {
+        fn consume(&mut self, token: u32) -> Result<(), ConstraintError> {
             if token < 100 {
                 Ok(())
             } else {
-                Err("rejected".into())
+                Err(ConstraintError::TokenRejected {
+                    token,
+                    text: String::new(),
+                    position: 0,
+                })
             }
+        }
+        fn rollback(&mut self, _: usize) -> Result<(), ConstraintError> {
+            Ok(())
+        }
+        fn fork(&self) -> Box<dyn TokenConstraint> {
+            Box::new(NoSeparators)
         }
         fn is_finished(&self) -> bool {
             false
         }
-        fn forced_tokens(&mut self) -> Vec<u32> {
-            Vec::new()
-        }
+    }
+
+    #[test]
+    fn the_stand_in_keeps_the_constraint_contract() {
+        sampling::check_contract(&mut NoSeparators, 200).unwrap();
     }
 
     fn ctx<'a>(

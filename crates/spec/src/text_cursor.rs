@@ -345,6 +345,7 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sampling::{ConstraintError, TokenConstraint, TokenMask};
     use text::VocabSpec;
 
     /// GPT-2's byte-to-unicode character for a byte.
@@ -431,24 +432,46 @@ mod tests {
 
     #[test]
     fn the_grammar_decides_what_may_be_copied() {
-        struct OnlyDigits<'t>(&'t Tokenizer);
-        impl crate::drafter::DraftMirror for OnlyDigits<'_> {
-            fn compute_mask(&mut self, _: &mut sampling::TokenMask) -> Result<(), String> {
+        struct OnlyDigits(Arc<Tokenizer>);
+        impl OnlyDigits {
+            fn digits(&self, t: u32) -> bool {
+                self.0
+                    .token_bytes(t)
+                    .is_some_and(|b| !b.is_empty() && b.iter().all(u8::is_ascii_digit))
+            }
+        }
+        impl TokenConstraint for OnlyDigits {
+            fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
+                let n = self.0.vocab_size();
+                mask.fill_words(n, |i| {
+                    (0..64u32)
+                        .filter(|b| self.digits(i as u32 * 64 + b))
+                        .fold(0u64, |w, b| w | 1 << b)
+                });
                 Ok(())
             }
             fn accepts(&mut self, t: u32) -> bool {
-                self.0
-                    .token_bytes(t)
-                    .is_some_and(|b| b.iter().all(u8::is_ascii_digit))
+                self.digits(t)
             }
-            fn consume(&mut self, _: u32) -> Result<(), String> {
+            fn consume(&mut self, t: u32) -> Result<(), ConstraintError> {
+                if self.digits(t) {
+                    Ok(())
+                } else {
+                    Err(ConstraintError::TokenRejected {
+                        token: t,
+                        text: String::new(),
+                        position: 0,
+                    })
+                }
+            }
+            fn rollback(&mut self, _: usize) -> Result<(), ConstraintError> {
                 Ok(())
+            }
+            fn fork(&self) -> Box<dyn TokenConstraint> {
+                Box::new(OnlyDigits(self.0.clone()))
             }
             fn is_finished(&self) -> bool {
                 false
-            }
-            fn forced_tokens(&mut self) -> Vec<u32> {
-                Vec::new()
             }
         }
         let tok = tokenizer();
@@ -456,7 +479,7 @@ mod tests {
         let mut c = TextCursor::new(tok.clone());
         let mut toks = prompt.clone();
         toks.extend(enc(&tok, "{\"n\":\"Ada\",\"a\":"));
-        let mut g = OnlyDigits(&tok);
+        let mut g = OnlyDigits(tok.clone());
         let mut m = Mirror::new(&mut g, tok.vocab_size());
         // `36` is copied; `x` is not a delimiter but the grammar stops it.
         assert_eq!(
@@ -465,7 +488,7 @@ mod tests {
         );
         // A cursor on text the grammar rejects has nothing.
         toks.extend(enc(&tok, "36"));
-        let mut g = OnlyDigits(&tok);
+        let mut g = OnlyDigits(tok.clone());
         let mut m = Mirror::new(&mut g, tok.vocab_size());
         assert_eq!(
             c.propose(&toks, prompt.len(), 8, &mut m),

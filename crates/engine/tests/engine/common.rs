@@ -3,8 +3,8 @@
 #![allow(dead_code)]
 
 use lockstep_engine::{
-    Completion, Engine, EngineConfig, FakeBackend, FakeStats, GenerateRequest, SamplingParams,
-    TokenConstraint, TokenMask, fake_logits,
+    Completion, ConstraintError, Engine, EngineConfig, FakeBackend, FakeStats, GenerateRequest,
+    SamplingParams, TokenConstraint, TokenMask, fake_logits,
 };
 use sampling::{ChoiceContext, Sampler};
 use std::sync::Arc;
@@ -197,19 +197,41 @@ impl Scripted {
     }
 }
 
+impl Scripted {
+    fn failed(&self, what: &str) -> ConstraintError {
+        ConstraintError::Failed(format!("{what} at step {}", self.step))
+    }
+}
+
 impl TokenConstraint for Scripted {
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
-        let set = self.script.get(self.step).ok_or("script over")?;
-        *mask = TokenMask::from_tokens(N_VOCAB, set).map_err(|e| e.to_string())?;
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
+        let set = self
+            .script
+            .get(self.step)
+            .ok_or_else(|| self.failed("script over"))?;
+        *mask = TokenMask::from_tokens(N_VOCAB, set)
+            .map_err(|e| ConstraintError::Failed(e.to_string()))?;
         Ok(())
     }
-    fn consume(&mut self, token: u32) -> Result<(), String> {
+    fn accepts(&mut self, token: u32) -> bool {
+        self.script
+            .get(self.step)
+            .is_some_and(|set| set.contains(&token))
+    }
+    fn consume(&mut self, token: u32) -> Result<(), ConstraintError> {
         if self.fail_at == Some(self.step) {
-            return Err(format!("scripted failure at step {}", self.step));
+            return Err(self.failed("scripted failure"));
         }
-        let set = self.script.get(self.step).ok_or("script over")?;
+        let set = self
+            .script
+            .get(self.step)
+            .ok_or_else(|| self.failed("script over"))?;
         if !set.contains(&token) {
-            return Err(format!("token {token} not allowed at step {}", self.step));
+            return Err(ConstraintError::TokenRejected {
+                token,
+                text: String::new(),
+                position: self.step,
+            });
         }
         self.step += 1;
         Ok(())
@@ -217,8 +239,11 @@ impl TokenConstraint for Scripted {
     fn is_finished(&self) -> bool {
         self.step >= self.script.len()
     }
-    fn rollback(&mut self, n: usize) -> Result<(), String> {
-        self.step = self.step.checked_sub(n).ok_or("rollback too far")?;
+    fn rollback(&mut self, n: usize) -> Result<(), ConstraintError> {
+        self.step = self.step.checked_sub(n).ok_or(ConstraintError::Rollback {
+            requested: n,
+            available: self.step,
+        })?;
         Ok(())
     }
     fn forced_tokens(&mut self) -> Vec<u32> {
