@@ -1,9 +1,7 @@
 //! Paged KV bookkeeping: allocation, refcounts, truncation, sliding-window release,
 //! sharing with copy-on-write, and the value round trip.
 
-mod common;
-
-use common::Rng;
+use crate::common::Rng;
 use lockstep_backend_cpu::{AttnRow, BlockAllocator, Error, KvCache, KvConfig, KvType};
 
 fn config(windows: Vec<Option<usize>>, kv_type: KvType) -> KvConfig {
@@ -263,8 +261,16 @@ fn exported_blocks_import_into_another_cache_bit_for_bit() {
                     (vec![0.0; w], vec![0.0; w], vec![0.0; w], vec![0.0; w]);
                 src.read(layer, &seq, p, &mut k0, &mut v0).unwrap();
                 dst.read(layer, &copy, p, &mut k1, &mut v1).unwrap();
-                common::assert_same(&common::bits(&k1), &common::bits(&k0), "keys");
-                common::assert_same(&common::bits(&v1), &common::bits(&v0), "values");
+                crate::common::assert_same(
+                    &crate::common::bits(&k1),
+                    &crate::common::bits(&k0),
+                    "keys",
+                );
+                crate::common::assert_same(
+                    &crate::common::bits(&v1),
+                    &crate::common::bits(&v0),
+                    "values",
+                );
             }
         }
         // A wrong length, a shared block and an unreserved block are refused.

@@ -2,9 +2,7 @@
 //! whole-sequence batch, in random chunks, mixed with other sequences, any thread count,
 //! any ISA path), and close to an f64 softmax-attention reading the same cached K/V.
 
-mod common;
-
-use common::{Rng, assert_same, bits};
+use crate::common::{Rng, assert_same, bits};
 use lockstep_backend_cpu::{
     AttnParams, AttnRow, Error, Isa, KvCache, KvConfig, KvType, SeqKv, ThreadPool, attention_with,
 };

@@ -1,9 +1,7 @@
 //! Every SIMD path of every row kernel is bit-identical to the scalar reference, and the
 //! reference itself is accurate (G6 oracles for the non-matmul kernels).
 
-mod common;
-
-use common::{Rng, assert_same, bits};
+use crate::common::{Rng, assert_same, bits};
 use lockstep_backend_cpu::{Isa, Kernels, NormWeight, RopeStyle, RopeTable, canon};
 
 /// The SIMD paths this machine can run (the scalar one is the reference). On x86-64 CI
