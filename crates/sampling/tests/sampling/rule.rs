@@ -2,9 +2,7 @@
 //! its inputs, ties to the lowest id, penalties and bias as defined, errors instead of
 //! choosing from nothing.
 
-mod common;
-
-use common::{Rng, realistic_logits, reference_adjusted, reference_choose};
+use crate::common::{Rng, realistic_logits, reference_adjusted, reference_choose};
 use lockstep_sampling::{
     ChoiceContext, SampleError, Sampler, SamplingParams, TokenMask, choose, top_logprobs,
 };

@@ -1,9 +1,7 @@
 //! Per-call cost of `choose` at the Qwen vocabulary (151,936 logits). Printed, not asserted:
-//! run with `cargo test -p lockstep-sampling --test timing -- --nocapture`.
+//! run with `cargo test -p lockstep-sampling --test sampling timing -- --nocapture`.
 
-mod common;
-
-use common::{Rng, realistic_logits};
+use crate::common::{Rng, realistic_logits};
 use lockstep_sampling::{ChoiceContext, Sampler, SamplingParams, TokenMask, top_logprobs};
 use std::time::Instant;
 

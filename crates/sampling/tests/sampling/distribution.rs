@@ -1,9 +1,7 @@
 //! The rule samples the target distribution: Gumbel-max frequencies match softmax(l/T), and
 //! truncations keep exactly the sets their definitions name, renormalised.
 
-mod common;
-
-use common::{Rng, chi_square, softmax};
+use crate::common::{Rng, chi_square, softmax};
 use lockstep_sampling::{ChoiceContext, Sampler, SamplingParams, TokenMask, gumbel};
 
 /// Above the 1 - 1e-6 quantile of chi-square for these degrees of freedom (fixed seeds make
