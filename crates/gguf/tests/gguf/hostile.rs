@@ -1,8 +1,6 @@
 //! Hostile and damaged files: every one is a specific typed error, never a panic.
 
-mod common;
-
-use common::{Raw, small_valid_file};
+use crate::common::{Raw, small_valid_file};
 use lockstep_gguf::{GgufError, GgufFile, MAX_ARRAY_DEPTH};
 use proptest::prelude::*;
 
