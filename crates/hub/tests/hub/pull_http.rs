@@ -1,8 +1,6 @@
 //! The model-hub path against a local HTTP server: resumable `.part` downloads.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use lockstep_hub::{Cache, HubError, Source, SourceChoice, SourceKind};
 
 const HUB: SourceChoice = SourceChoice::Only(SourceKind::Hub);
