@@ -8,8 +8,8 @@ use lockstep_quant::{
     Format, Kernels, PackedMatrix, QuantError, QuantizedActs, dequantize_row, quantize_row,
 };
 
-const IQ2_XXS_BIN: &[u8] = include_bytes!("fixtures/iq2_xxs.bin");
-const MXFP4_BIN: &[u8] = include_bytes!("fixtures/mxfp4.bin");
+const IQ2_XXS_BIN: &[u8] = include_bytes!("../fixtures/iq2_xxs.bin");
+const MXFP4_BIN: &[u8] = include_bytes!("../fixtures/mxfp4.bin");
 
 /// One fixture block: its bytes and gguf-py's view of it.
 struct Case {
