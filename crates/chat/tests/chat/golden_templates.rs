@@ -1,9 +1,7 @@
 //! Every golden conversation of `tests/data/golden/` renders byte for byte as HF
 //! transformers rendered it, from the template stored in the real model's GGUF.
 
-mod common;
-
-use common::{golden_dir, model_template};
+use crate::common::{golden_dir, model_template};
 use lockstep_chat::{ChatTemplate, Message, detect_format};
 use serde::Deserialize;
 

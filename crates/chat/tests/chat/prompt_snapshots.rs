@@ -2,9 +2,7 @@
 //! golden files do not cover (OpenAI-style string arguments, ids, parallel calls and
 //! results, content parts), so any change in rendering is a visible diff.
 
-mod common;
-
-use common::model_template;
+use crate::common::model_template;
 use lockstep_chat::{ChatTemplate, Message};
 use serde_json::{Map, Value, json};
 

@@ -17,7 +17,7 @@ struct Case {
 #[test]
 fn every_jinja2_reference_case_renders_identically() {
     let cases: Vec<Case> =
-        serde_json::from_str(include_str!("fixtures/jinja_cases.json")).expect("fixture JSON");
+        serde_json::from_str(include_str!("../fixtures/jinja_cases.json")).expect("fixture JSON");
     assert!(cases.len() >= 20, "fixture has {} cases", cases.len());
     let mut failures = Vec::new();
     for case in &cases {
