@@ -1,8 +1,7 @@
 //! G1: a row's logits are bit-identical however the rows were batched — token by token,
 //! one chunk, random chunkings across KV block boundaries, 1, 2 or 3 threads, alone or
 //! batched with another sequence.
-mod common;
-use common::*;
+use crate::common::*;
 use lockstep_model::BatchRow;
 
 /// A prompt of `n` tokens from the golden prompts (real text, repeated as needed).

@@ -11,8 +11,7 @@
 //! Those prompts are checked against both oracles instead: our error to the exact model is
 //! of the same size as llama.cpp's, and where the exact model is decided (top-2 gap at
 //! least 1.5 nats) we choose its token.
-mod common;
-use common::*;
+use crate::common::*;
 use lockstep_model::BatchRow;
 
 #[test]

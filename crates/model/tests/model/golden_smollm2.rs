@@ -1,7 +1,6 @@
 //! SmolLM2-135M (llama) against llama.cpp's reference log-probs and greedy tokens, and a
 //! real greedy decode loop.
-mod common;
-use common::*;
+use crate::common::*;
 use lockstep_model::BatchRow;
 
 #[test]

@@ -2,8 +2,7 @@
 //! sequence ran token by token, in one chunk or in random chunkings — including chunks
 //! that cross the 512-token window edge and the 32-token KV pages, with the blocks that
 //! left the window released between forwards — on 1, 2 or 3 threads, alone or batched.
-mod common;
-use common::*;
+use crate::common::*;
 use lockstep_model::{BatchRow, SeqKv};
 
 const N: usize = 600;
