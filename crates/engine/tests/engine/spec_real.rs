@@ -5,9 +5,10 @@
 //! logit SHA-256), finish reasons and usage as plain decoding. The counters prove drafts
 //! were proposed, accepted and rejected, so no test passes vacuously.
 
+use crate::harness::{Run, assert_spec_equals_plain, run_all};
 use lockstep_engine::{
-    Engine, EngineConfig, Event, FinishReason, GenerateRequest, ModelBackend, RequestHandle,
-    SamplingParams, SpecConfig, SpecStats, StopCause, Usage,
+    Engine, EngineConfig, FinishReason, GenerateRequest, ModelBackend, SamplingParams, SpecConfig,
+    SpecStats, StopCause,
 };
 use spec::{Adversary, DraftModel, DrafterSet, Oracle, PolicyConfig};
 use std::sync::Arc;
@@ -52,91 +53,6 @@ fn engine(t: &Target, spec: SpecConfig) -> Engine {
         cfg(spec),
     )
     .expect("engine starts")
-}
-
-/// Everything a request's stream delivered, timings aside.
-#[derive(Debug, Clone, PartialEq)]
-struct Run {
-    tokens: Vec<Event>,
-    finish: Option<(FinishReason, String, Usage)>,
-    error: Option<String>,
-}
-
-impl Run {
-    fn ids(&self) -> Vec<u32> {
-        self.tokens
-            .iter()
-            .filter_map(|e| match e {
-                Event::Token { token, .. } => Some(*token),
-                _ => None,
-            })
-            .collect()
-    }
-    fn text(&self) -> String {
-        let mut s: String = self
-            .tokens
-            .iter()
-            .filter_map(|e| match e {
-                Event::Token { text, .. } => Some(text.as_str()),
-                _ => None,
-            })
-            .collect();
-        if let Some(f) = &self.finish {
-            s.push_str(&f.1);
-        }
-        s
-    }
-}
-
-fn collect(h: RequestHandle) -> Run {
-    let mut run = Run {
-        tokens: Vec::new(),
-        finish: None,
-        error: None,
-    };
-    for e in &h {
-        match e {
-            Event::Finished {
-                reason,
-                text,
-                usage,
-                ..
-            } => run.finish = Some((reason, text, usage)),
-            Event::Error(e) => run.error = Some(e),
-            tok => run.tokens.push(tok),
-        }
-    }
-    run
-}
-
-fn run_all(e: &Engine, reqs: Vec<GenerateRequest>) -> Vec<Run> {
-    let hs: Vec<_> = reqs.into_iter().map(|r| e.submit(r).unwrap()).collect();
-    hs.into_iter().map(collect).collect()
-}
-
-fn assert_identical(plain: &[Run], spec: &[Run], what: &str) -> SpecStats {
-    let mut total = SpecStats::default();
-    assert_eq!(plain.len(), spec.len());
-    for (i, (p, s)) in plain.iter().zip(spec).enumerate() {
-        assert_eq!(p.error, None, "{what} {i}");
-        assert_eq!(s.error, None, "{what} {i}");
-        assert!(!p.tokens.is_empty(), "{what} {i}: generated something");
-        assert_eq!(p.tokens, s.tokens, "{what} {i}: token events");
-        let strip = |r: &Run| {
-            r.finish.clone().map(|(reason, text, mut usage)| {
-                usage.spec = None;
-                (reason, text, usage)
-            })
-        };
-        assert_eq!(strip(p), strip(s), "{what} {i}: finish and usage");
-        let st = s
-            .finish
-            .as_ref()
-            .and_then(|f| f.2.spec)
-            .expect("spec stats");
-        total.add(&st);
-    }
-    total
 }
 
 fn request(prompt: Vec<u32>, sampling: SamplingParams, n: usize) -> GenerateRequest {
@@ -221,7 +137,7 @@ fn check_all_drafters(
             },
         );
         let t0 = std::time::Instant::now();
-        let s = assert_identical(&plain, &run_all(&e, reqs()), &format!("{what} {name}"));
+        let s = assert_spec_equals_plain(&plain, &run_all(&e, reqs()), &format!("{what} {name}"));
         eprintln!("{what} {name}: {:?}", t0.elapsed());
         e.shutdown();
         out.push((name, s));
@@ -255,7 +171,7 @@ fn check_all_drafters(
             );
         }
         let t0 = std::time::Instant::now();
-        let s = assert_identical(
+        let s = assert_spec_equals_plain(
             &plain_half,
             &run_all(&e, half),
             &format!("{what} draft model"),
@@ -265,7 +181,7 @@ fn check_all_drafters(
         out.push(("draft-model", s));
     }
     let e = engine(t, SpecConfig::default());
-    let s = assert_identical(
+    let s = assert_spec_equals_plain(
         &plain,
         &run_all(&e, with(reqs(), &plain, |x| Box::new(Oracle::new(x)))),
         &format!("{what} oracle"),
@@ -273,7 +189,7 @@ fn check_all_drafters(
     e.shutdown();
     out.push(("oracle", s));
     let e = engine(t, SpecConfig::default());
-    let s = assert_identical(
+    let s = assert_spec_equals_plain(
         &plain,
         &run_all(&e, with(reqs(), &plain, |x| Box::new(Adversary::new(x)))),
         &format!("{what} adversary"),
@@ -473,7 +389,7 @@ fn qwen_coder_half_b_drafting_for_one_and_a_half_b_equals_plain_decoding() {
             })
         },
     );
-    let s = assert_identical(&plain, &run_all(&e, reqs()), "qwen 0.5b→1.5b");
+    let s = assert_spec_equals_plain(&plain, &run_all(&e, reqs()), "qwen 0.5b→1.5b");
     e.shutdown();
     eprintln!("qwen draft model: {s:?} rate {:.2}", s.accept_rate());
     assert!(s.drafted > 0 && s.accepted > 0, "{s:?}");
@@ -557,13 +473,13 @@ fn extraction_under_a_schema_copies_values_in_text_space_and_equals_plain_decodi
         );
         let runs = run_all(&e, reqs());
         e.shutdown();
-        let s = assert_identical(
+        let s = assert_spec_equals_plain(
             &plain,
             &runs,
             &format!("extraction text_cursor={text_cursor}"),
         );
         // Greedy alone, where the output copies the prompt.
-        let greedy_only = assert_identical(&plain[..1], &runs[..1], "greedy");
+        let greedy_only = assert_spec_equals_plain(&plain[..1], &runs[..1], "greedy");
         eprintln!("extraction text_cursor={text_cursor}: {s:?}; greedy {greedy_only:?}");
         stats.push(greedy_only);
     }

@@ -12,10 +12,11 @@
 //! Under a grammar every proposed token is checked against a fresh matcher replaying the
 //! committed output (the drafts respect the mirror).
 
+use crate::harness::{Run, assert_digested, assert_spec_equals_plain, run_all};
 use gguf::{GgmlType, GgufFile, GgufWriter, Value};
 use lockstep_engine::{
-    Deepseek4Backend, Engine, EngineConfig, Event, FinishReason, GenerateRequest, RequestHandle,
-    SamplingParams, SpecConfig, StopCause, Usage,
+    Deepseek4Backend, Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams,
+    SpecConfig, StopCause,
 };
 use spec::{
     Chain, DraftContext, DraftProposal, Drafter, DrafterKind, DrafterSet, DsparkCounters,
@@ -100,78 +101,6 @@ fn engine(t: &Target, capture: Option<&[usize]>, spec: SpecConfig) -> Engine {
         b.capture(layers).unwrap();
     }
     Engine::start(Box::new(b), t.tok.clone(), cfg).expect("engine starts")
-}
-
-#[derive(Debug, Clone, PartialEq)]
-struct Run {
-    tokens: Vec<Event>,
-    finish: Option<(FinishReason, String, Usage)>,
-    error: Option<String>,
-}
-
-impl Run {
-    fn ids(&self) -> Vec<u32> {
-        self.tokens
-            .iter()
-            .filter_map(|e| match e {
-                Event::Token { token, .. } => Some(*token),
-                _ => None,
-            })
-            .collect()
-    }
-}
-
-fn collect(h: RequestHandle) -> Run {
-    let mut run = Run {
-        tokens: Vec::new(),
-        finish: None,
-        error: None,
-    };
-    for e in &h {
-        match e {
-            Event::Finished {
-                reason,
-                text,
-                usage,
-                ..
-            } => run.finish = Some((reason, text, usage)),
-            Event::Error(e) => run.error = Some(e),
-            tok => run.tokens.push(tok),
-        }
-    }
-    run
-}
-
-fn run_all(e: &Engine, reqs: Vec<GenerateRequest>) -> Vec<Run> {
-    let hs: Vec<_> = reqs.into_iter().map(|r| e.submit(r).unwrap()).collect();
-    hs.into_iter().map(collect).collect()
-}
-
-fn assert_identical(plain: &[Run], spec: &[Run], what: &str) {
-    assert_eq!(plain.len(), spec.len());
-    for (i, (p, s)) in plain.iter().zip(spec).enumerate() {
-        assert_eq!(p.error, None, "{what} {i}");
-        assert_eq!(s.error, None, "{what} {i}");
-        assert!(!p.tokens.is_empty(), "{what} {i}: generated something");
-        assert!(
-            p.tokens.iter().all(|e| matches!(
-                e,
-                Event::Token {
-                    logit_sha256: Some(_),
-                    ..
-                }
-            )),
-            "{what} {i}: digests requested"
-        );
-        assert_eq!(p.tokens, s.tokens, "{what} {i}: token events");
-        let strip = |r: &Run| {
-            r.finish.clone().map(|(reason, text, mut usage)| {
-                usage.spec = None;
-                (reason, text, usage)
-            })
-        };
-        assert_eq!(strip(p), strip(s), "{what} {i}: finish and usage");
-    }
 }
 
 fn samplings() -> [SamplingParams; 2] {
@@ -331,7 +260,8 @@ fn dspark_on_the_random_support_file_equals_plain_decoding() {
     let spec = run_all(&e, requests(&t));
     let m = e.metrics();
     e.shutdown();
-    assert_identical(&plain, &spec, "random dspark");
+    assert_digested(&plain, "random dspark");
+    assert_spec_equals_plain(&plain, &spec, "random dspark");
     let c = d.counters();
     report("random dspark", &c);
     eprintln!("engine: {:?}", m.spec);
@@ -464,7 +394,8 @@ fn a_crafted_markov_head_is_accepted_and_the_fold_follows_full_accepts() {
         watched(requests(&t), &d, &log, &PolicyConfig::always(5)),
     );
     e.shutdown();
-    assert_identical(&plain, &spec, "crafted dspark");
+    assert_digested(&plain, "crafted dspark");
+    assert_spec_equals_plain(&plain, &spec, "crafted dspark");
     let c = d.counters();
     report("crafted dspark", &c);
     let w = log.lock().unwrap();
@@ -509,7 +440,8 @@ fn a_crafted_markov_head_is_accepted_and_the_fold_follows_full_accepts() {
     let e = engine(&t, Some(&layers), SpecConfig::default());
     let spec = run_all(&e, watched(requests(&t), &d, &log, &policy));
     e.shutdown();
-    assert_identical(&plain, &spec, "crafted dspark with bars");
+    assert_digested(&plain, "crafted dspark with bars");
+    assert_spec_equals_plain(&plain, &spec, "crafted dspark with bars");
     let c = d.counters();
     report("crafted dspark with bars", &c);
     assert!(c.confidence_stops > 0 && c.accepted > 0, "{c:?}");
@@ -580,7 +512,8 @@ fn constrained_dspark_drafts_stay_inside_the_grammar_and_equal_plain_decoding() 
     let e = engine(&t, Some(&layers), SpecConfig::default());
     let spec = run_all(&e, watched(reqs(), &d, &log, &PolicyConfig::always(5)));
     e.shutdown();
-    assert_identical(&plain, &spec, "constrained dspark");
+    assert_digested(&plain, "constrained dspark");
+    assert_spec_equals_plain(&plain, &spec, "constrained dspark");
     let c = d.counters();
     report("constrained dspark", &c);
     assert!(

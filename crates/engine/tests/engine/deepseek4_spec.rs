@@ -6,9 +6,9 @@
 //! were proposed, accepted and rejected (every rejection rolls the compressor and indexer
 //! state back), so the test cannot pass vacuously.
 
+use crate::harness::{Run, assert_digested, assert_spec_equals_plain, run_all};
 use lockstep_engine::{
-    Deepseek4Backend, Engine, EngineConfig, Event, FinishReason, GenerateRequest, RequestHandle,
-    SamplingParams, SpecConfig, SpecStats, Usage,
+    Deepseek4Backend, Engine, EngineConfig, GenerateRequest, SamplingParams, SpecConfig, SpecStats,
 };
 use spec::{Adversary, DrafterSet, Oracle, PolicyConfig};
 use std::path::{Path, PathBuf};
@@ -85,86 +85,6 @@ fn engine(t: &Target, spec: SpecConfig) -> Engine {
     .expect("engine starts")
 }
 
-#[derive(Debug, Clone, PartialEq)]
-struct Run {
-    tokens: Vec<Event>,
-    finish: Option<(FinishReason, String, Usage)>,
-    error: Option<String>,
-}
-
-impl Run {
-    fn ids(&self) -> Vec<u32> {
-        self.tokens
-            .iter()
-            .filter_map(|e| match e {
-                Event::Token { token, .. } => Some(*token),
-                _ => None,
-            })
-            .collect()
-    }
-}
-
-fn collect(h: RequestHandle) -> Run {
-    let mut run = Run {
-        tokens: Vec::new(),
-        finish: None,
-        error: None,
-    };
-    for e in &h {
-        match e {
-            Event::Finished {
-                reason,
-                text,
-                usage,
-                ..
-            } => run.finish = Some((reason, text, usage)),
-            Event::Error(e) => run.error = Some(e),
-            tok => run.tokens.push(tok),
-        }
-    }
-    run
-}
-
-fn run_all(e: &Engine, reqs: Vec<GenerateRequest>) -> Vec<Run> {
-    let hs: Vec<_> = reqs.into_iter().map(|r| e.submit(r).unwrap()).collect();
-    hs.into_iter().map(collect).collect()
-}
-
-fn assert_identical(plain: &[Run], spec: &[Run], what: &str) -> SpecStats {
-    let mut total = SpecStats::default();
-    assert_eq!(plain.len(), spec.len());
-    for (i, (p, s)) in plain.iter().zip(spec).enumerate() {
-        assert_eq!(p.error, None, "{what} {i}");
-        assert_eq!(s.error, None, "{what} {i}");
-        assert!(!p.tokens.is_empty(), "{what} {i}: generated something");
-        assert!(
-            p.tokens.iter().all(|e| matches!(
-                e,
-                Event::Token {
-                    logit_sha256: Some(_),
-                    ..
-                }
-            )),
-            "{what} {i}: digests requested"
-        );
-        assert_eq!(p.tokens, s.tokens, "{what} {i}: token events");
-        let strip = |r: &Run| {
-            r.finish.clone().map(|(reason, text, mut usage)| {
-                usage.spec = None;
-                (reason, text, usage)
-            })
-        };
-        assert_eq!(strip(p), strip(s), "{what} {i}: finish and usage");
-        let st = s
-            .finish
-            .as_ref()
-            .and_then(|f| f.2.spec)
-            .expect("spec stats");
-        total.add(&st);
-    }
-    total
-}
-
 /// Prompts from the fixture sequences: prefixes of the long one, of the repeated-phrase
 /// one (the n-gram drafter's case) and the short one; greedy and seeded sampling.
 fn requests(t: &Target) -> Vec<GenerateRequest> {
@@ -233,6 +153,7 @@ fn check(name: &str) {
     let plain_engine = engine(&t, SpecConfig::default());
     let plain = run_all(&plain_engine, requests(&t));
     plain_engine.shutdown();
+    assert_digested(&plain, name);
     assert!(
         plain.iter().all(|r| r.ids().len() == 48),
         "{name}: 48 tokens each"
@@ -245,7 +166,7 @@ fn check(name: &str) {
             ..SpecConfig::auto(DrafterSet::free(3))
         },
     );
-    let ng = assert_identical(&plain, &run_all(&e, requests(&t)), &format!("{name} ngram"));
+    let ng = assert_spec_equals_plain(&plain, &run_all(&e, requests(&t)), &format!("{name} ngram"));
     e.shutdown();
     report(&format!("{name} ngram"), &ng);
     assert!(
@@ -259,7 +180,7 @@ fn check(name: &str) {
     );
 
     let e = engine(&t, SpecConfig::default());
-    let or = assert_identical(
+    let or = assert_spec_equals_plain(
         &plain,
         &run_all(&e, with(requests(&t), &plain, |x| Box::new(Oracle::new(x)))),
         &format!("{name} oracle"),
@@ -269,7 +190,7 @@ fn check(name: &str) {
     assert!(or.drafted > 50 && or.accepted == or.drafted, "{or:?}");
 
     let e = engine(&t, SpecConfig::default());
-    let ad = assert_identical(
+    let ad = assert_spec_equals_plain(
         &plain,
         &run_all(
             &e,
