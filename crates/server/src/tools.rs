@@ -217,7 +217,7 @@ impl ToolSetup {
                     ),
                 ));
             }
-            return lark.map_err(|e| ApiError::invalid("tools", e));
+            return lark.map_err(|e| ApiError::invalid("tools", e.to_string()));
         }
         let names: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
         if self.parallel {

@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 use grammar::{Constraint, GrammarLimits, TokenEnv};
 use lockstep_chat::{
     ChatTemplate, DsmlFormat, FunctionCall, Message, ParsedOutput, ToolCall, ToolCallFormat,
-    ToolStreamEvent, detect_format, dsml_calls_lark,
+    ToolGrammarError, ToolStreamEvent, detect_format, dsml_calls_lark,
 };
 use serde_json::{Map, Value, json};
 use text::{EncodeOptions, Tokenizer};
@@ -344,8 +344,11 @@ fn the_grammar_handles_schemas_without_properties_and_mixed_types() {
     }
     let text = DsmlFormat::render_calls([("mixed", &json!({"v": [1]}))]);
     assert!(!accepts(&lark, &text), "{text}");
-    assert!(dsml_calls_lark(&[], false).is_err());
-    assert!(dsml_calls_lark(&[("a\"b", &any)], false).is_err());
+    assert_eq!(dsml_calls_lark(&[], false), Err(ToolGrammarError::NoTools));
+    assert_eq!(
+        dsml_calls_lark(&[("a\"b", &any)], false),
+        Err(ToolGrammarError::ToolName("a\"b".to_string()))
+    );
 }
 
 // --- chat encoding --------------------------------------------------------------------
