@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs headless Chromium and its WebDriver (Debian packages chromium, chromium-driver)
-# for the chat-page browser tests (crates/cli/tests/chat_page.rs). Idempotent: does nothing
+# for the chat-page browser tests (crates/cli/tests/cli/chat_page.rs). Idempotent: does nothing
 # when /usr/bin/chromium and /usr/bin/chromedriver are both present.
 set -euo pipefail
 if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then

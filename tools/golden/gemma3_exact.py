@@ -2,7 +2,7 @@
 weights (llama.cpp's gguf-py), exact GELU-tanh, no KV rounding, no activation
 quantization. Teacher-forced on each golden case's prompt_tokens + completion_tokens[:-1];
 writes, per step, the exact log-probs of the reference's top-5 ids, the exact argmax and
-its top-2 gap. Used by crates/model/tests/golden_gemma3.rs as a second oracle for the short
+its top-2 gap. Used by crates/model/tests/model/golden_gemma3.rs as a second oracle for the short
 prompts recorded without the BOS the model expects (gemma3-270m-nobos.json), where
 llama.cpp itself strays from the exact model by several nats.
 

@@ -1,6 +1,6 @@
 import json, sys
 # usage: cmp.py golden.json dumpA [dumpB]  -> max and mean over steps of the per-step max
-# |dlogprob| over the ref top-5 (as crates/model/tests/common/mod.rs); A vs golden, or A vs B
+# |dlogprob| over the ref top-5 (as crates/model/tests/model/common.rs); A vs golden, or A vs B
 def load(p):
     r = {}
     for l in open(p):

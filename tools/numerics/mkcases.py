@@ -3,7 +3,7 @@ sys.path.insert(0, '/root/.cache/lockstep/peers/llama.cpp-0.3.36/src/llama_cpp_p
 import gguf
 # usage: mkcases.py golden.json model.gguf > cases.txt
 # per case: name / prompt ids / generated ids (with hidden UTF-8 tokens recovered, as
-# crates/model/tests/common/mod.rs generated_sequence does) / for each step its index in
+# crates/model/tests/model/common.rs generated_sequence does) / for each step its index in
 # generated / ref top-5 ids per step
 def byte_decoder():
     bs = list(range(ord("!"), ord("~")+1)) + list(range(ord("¡"), ord("¬")+1)) + list(range(ord("®"), ord("ÿ")+1))

@@ -23,7 +23,8 @@ pub use message::{ContentPart, FunctionCall, Message, MessageContent, ToolCall};
 pub use template::ChatTemplate;
 pub use tool_call::{
     DSML_TOKEN, DsmlFormat, HermesFormat, ParsedOutput, ParsedToolCall, ToolCallError,
-    ToolCallFormat, ToolStreamEvent, ToolStreamParser, detect_format, dsml_calls_lark,
+    ToolCallFormat, ToolGrammarError, ToolStreamEvent, ToolStreamParser, detect_format,
+    dsml_calls_lark,
 };
 
 /// Python's `json.dumps(value, ensure_ascii=False)` (HF's `tojson` with default options):

@@ -2,7 +2,7 @@
 //! cancellation and the event stream callers consume.
 //!
 //! [`Engine::start`] takes a [`ForwardBackend`] (the real [`ModelBackend`], or
-//! [`FakeBackend`] in tests) and a tokenizer and runs the step loop on its own thread.
+//! `FakeBackend` in tests: behind the `testing` feature) and a tokenizer and runs the step loop on its own thread.
 //! Callers [`Engine::submit`] a [`GenerateRequest`] and read [`Event`]s from the
 //! [`RequestHandle`]. Each step runs **one** batched forward over rows of several
 //! sequences — decode rows, prefill chunks (and, with speculation, verify blocks) — and a
@@ -42,6 +42,7 @@
 pub mod api;
 mod deepseek4_backend;
 pub mod disk;
+#[cfg(any(test, feature = "testing"))]
 mod fake;
 mod model_backend;
 pub mod prefix;
@@ -57,6 +58,7 @@ pub use api::{
 };
 pub use deepseek4_backend::Deepseek4Backend;
 pub use disk::{DiskCacheConfig, DiskCacheMetrics, DiskCacheState, KV_NUMERICS_VERSION};
+#[cfg(any(test, feature = "testing"))]
 pub use fake::{FakeBackend, FakeStats, fake_logits};
 pub use model_backend::{KvPoolUsage, ModelBackend};
 pub use step::logit_digest;

@@ -95,6 +95,8 @@ impl SlotTable {
         self.get(slot).map_or(0, SeqKv::len)
     }
 
+    /// Reserves and makes writable `from..to` of a slot; used by the fake backend only.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn prepare(
         &mut self,
         kv: &mut KvCache,
@@ -115,6 +117,7 @@ impl SlotTable {
 
     /// Blocks [`SlotTable::prepare`] would allocate: new blocks past the cut, plus copies of
     /// shared blocks at or after `from`.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn blocks_needed(
         &self,
         kv: &KvCache,

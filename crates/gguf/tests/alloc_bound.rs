@@ -1,8 +1,11 @@
 //! Parsing never allocates much more than the file holds: hostile counts and lengths are
 //! rejected before allocating, so peak memory while parsing stays proportional to the
 //! input. Measured with a counting global allocator (this binary holds one test only, so
-//! nothing else allocates concurrently).
+//! nothing else allocates concurrently). That is why it is its own test binary rather than a
+//! module of `tests/gguf/main.rs`: the global allocator is process-wide, and the other tests
+//! of that binary would allocate on other threads while this one measures.
 
+#[path = "gguf/common.rs"]
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};

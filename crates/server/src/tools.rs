@@ -217,7 +217,7 @@ impl ToolSetup {
                     ),
                 ));
             }
-            let rules = rules.map_err(|e| ApiError::invalid("tools", e))?;
+            let rules = rules.map_err(|e| ApiError::invalid("tools", e.to_string()))?;
             let mut g = Grammar::new();
             g.extend_text(rules);
             return Ok(g);

@@ -15,8 +15,8 @@
 //! [`FastForward`] (grammar-forced tokens),
 //! [`DraftModelDrafter`] (a smaller model with the same tokenizer, its own KV, coupled
 //! noise), [`DsparkDrafter`] (DeepSeek V4's DSpark block drafter over the target's captured
-//! rows, [`TargetRows`]), and for tests [`Oracle`] (replays the plain output: 100% acceptance) and
-//! [`Adversary`] (always wrong: 0%). [`Chain`] combines them per sequence;
+//! rows, [`TargetRows`]), and for tests, behind the `testing` feature, `Oracle` (replays the plain output: 100%
+//! acceptance) and `Adversary` (always wrong: 0%). [`Chain`] combines them per sequence;
 //! [`DrafterSet`] builds a chain for each new sequence. The adaptive policy
 //! ([`SeqPolicy`], [`CostModel`]) decides when and how far to draft; [`SpecStats`] counts.
 
@@ -28,6 +28,7 @@ mod ngram;
 mod policy;
 mod stats;
 mod suffix;
+#[cfg(any(test, feature = "testing"))]
 mod testing;
 mod text_cursor;
 
@@ -42,6 +43,7 @@ pub use policy::{
 };
 pub use stats::SpecStats;
 pub use suffix::{MAX_SCAN, RECENT, SuffixConfig, SuffixCounters, SuffixDrafter, SuffixIndex};
+#[cfg(any(test, feature = "testing"))]
 pub use testing::{Adversary, Oracle};
 
 use std::sync::Arc;

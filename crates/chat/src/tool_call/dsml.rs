@@ -35,7 +35,7 @@
 
 use serde_json::{Map, Value, json};
 
-use super::{ToolCallFormat, ToolStreamEvent, ToolStreamParser};
+use super::{ToolCallFormat, ToolGrammarError, ToolStreamEvent, ToolStreamParser};
 use crate::pyjson::json_string;
 use crate::python_json;
 
@@ -136,7 +136,7 @@ impl ToolCallFormat for DsmlFormat {
         &self,
         tools: &[(&str, &Value)],
         parallel: bool,
-    ) -> Option<Result<String, String>> {
+    ) -> Option<Result<String, ToolGrammarError>> {
         Some(calls_lark(tools, parallel))
     }
 }
@@ -153,9 +153,9 @@ impl ToolCallFormat for DsmlFormat {
 /// string is `string="false"` JSON valid against its schema (`%json`, the layout of
 /// `json.dumps`), one that admits both may be either. A schema without `properties`
 /// allows any parameters.
-pub fn calls_lark(tools: &[(&str, &Value)], parallel: bool) -> Result<String, String> {
+pub fn calls_lark(tools: &[(&str, &Value)], parallel: bool) -> Result<String, ToolGrammarError> {
     if tools.is_empty() {
-        return Err("no function tools to call".to_string());
+        return Err(ToolGrammarError::NoTools);
     }
     let mut out = String::new();
     // "\n" stays a lexeme of its own: a literal that is a prefix of another ("\n" of
@@ -173,9 +173,7 @@ pub fn calls_lark(tools: &[(&str, &Value)], parallel: bool) -> Result<String, St
     out.push_str(&format!("dsml_invoke: {}\n", names.join(" | ")));
     for (i, (name, schema)) in tools.iter().enumerate() {
         if name.contains('"') || name.contains('\n') {
-            return Err(format!(
-                "tool name {name:?} cannot be written in a DSML invoke"
-            ));
+            return Err(ToolGrammarError::ToolName(name.to_string()));
         }
         out.push_str(&format!(
             "dsml_call_{i}: {} dsml_params_{i} {}\n",
@@ -193,7 +191,7 @@ pub fn calls_lark(tools: &[(&str, &Value)], parallel: bool) -> Result<String, St
 
 /// `dsml_params_{i}`: `"\n"` when no parameter is written, else each written parameter
 /// followed by `"\n"`.
-fn params_rules(i: usize, schema: &Value) -> Result<String, String> {
+fn params_rules(i: usize, schema: &Value) -> Result<String, ToolGrammarError> {
     let mut out = String::new();
     let props = schema.get("properties").and_then(Value::as_object);
     let Some(props) = props.filter(|p| !p.is_empty()) else {
@@ -227,7 +225,7 @@ fn params_rules(i: usize, schema: &Value) -> Result<String, String> {
     let mut seq = Vec::new();
     for (j, (key, sub)) in props.iter().enumerate() {
         if key.contains('"') || key.contains('\n') {
-            return Err(format!("parameter name {key:?} cannot be written in DSML"));
+            return Err(ToolGrammarError::ParameterName(key.clone()));
         }
         let rule = format!("dsml_p_{i}_{j}");
         let item = format!("({rule} \"\\n\")");

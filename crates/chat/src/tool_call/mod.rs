@@ -14,6 +14,21 @@ pub use hermes::HermesFormat;
 
 use serde_json::Value;
 
+/// Why a format cannot write the given tools as its calls grammar
+/// ([`ToolCallFormat::calls_lark`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ToolGrammarError {
+    /// There is no function tool to call.
+    #[error("no function tools to call")]
+    NoTools,
+    /// A tool name the envelope cannot hold (a quote or a newline).
+    #[error("tool name {0:?} cannot be written in a DSML invoke")]
+    ToolName(String),
+    /// A parameter name the envelope cannot hold (a quote or a newline).
+    #[error("parameter name {0:?} cannot be written in DSML")]
+    ParameterName(String),
+}
+
 /// One model family's tool-call envelope.
 pub trait ToolCallFormat: Send + Sync + std::fmt::Debug {
     /// A short name (`hermes`).
@@ -37,7 +52,7 @@ pub trait ToolCallFormat: Send + Sync + std::fmt::Debug {
         &self,
         tools: &[(&str, &Value)],
         parallel: bool,
-    ) -> Option<Result<String, String>> {
+    ) -> Option<Result<String, ToolGrammarError>> {
         let _ = (tools, parallel);
         None
     }

@@ -1,7 +1,19 @@
-//! Engine behaviour on the fake backend: batching invariance, prefix reuse, preemption,
-//! cancellation, admission control, per-sequence failures, stop conditions and text.
+//! Integration tests of the engine. Here: engine behaviour on the fake backend (batching
+//! invariance, prefix reuse, preemption, cancellation, admission control, per-sequence
+//! failures, stop conditions and text). In the modules: speculation on the fake backend, on
+//! the DeepSeek V4 fixtures (with DSpark) and on real models, all compared with plain
+//! decoding through one harness (`harness`); structured output on real models; the disk
+//! cache; gemma3's sliding window; batched real-model runs.
 
 mod common;
+mod constrained;
+mod deepseek4_dspark;
+mod deepseek4_spec;
+mod disk_cache;
+mod gemma3_window;
+mod harness;
+mod real_model;
+mod spec_real;
 mod speculation;
 mod summaries;
 

@@ -4,77 +4,22 @@
 //! and rejected.
 
 use crate::common::*;
+use crate::harness::{Run, assert_spec_equals_plain, run_all};
 use lockstep_engine::{
-    Engine, EngineConfig, Event, FinishReason, GenerateRequest, RequestHandle, SamplingParams,
-    SpecConfig, SpecStats, StopCause, TokenConstraint, Usage,
+    Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams, SpecConfig, SpecStats,
+    StopCause, TokenConstraint,
 };
 use spec::{Adversary, DrafterSet, NgramConfig, Oracle, PolicyConfig};
 
-/// Everything a request's stream delivered, timings aside.
-#[derive(Debug, Clone, PartialEq)]
-struct Run {
-    tokens: Vec<Event>,
-    finish: Option<(FinishReason, String, Usage)>,
-    error: Option<String>,
-}
-
-impl Run {
-    fn token_ids(&self) -> Vec<u32> {
-        self.tokens
-            .iter()
-            .filter_map(|e| match e {
-                Event::Token { token, .. } => Some(*token),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn spec(&self) -> SpecStats {
-        self.finish
-            .as_ref()
-            .and_then(|f| f.2.spec)
-            .unwrap_or_default()
-    }
-}
-
-fn collect(h: RequestHandle) -> Run {
-    let mut run = Run {
-        tokens: Vec::new(),
-        finish: None,
-        error: None,
-    };
-    for e in &h {
-        match e {
-            Event::Finished {
-                reason,
-                text,
-                usage,
-                ..
-            } => run.finish = Some((reason, text, usage)),
-            Event::Error(e) => run.error = Some(e),
-            tok => run.tokens.push(tok),
-        }
-    }
-    run
-}
-
-/// Identical streams (usage compared without the speculation counters and without
-/// `cached_tokens`: requests with one prompt are submitted together, and whether the
-/// second finds the first's prompt blocks already published depends on when the engine
-/// thread sees it arrive, not on speculation).
+/// [`assert_spec_equals_plain`] on one request, `cached_tokens` aside: requests with one
+/// prompt are submitted together, and whether the second finds the first's prompt blocks
+/// already published depends on when the engine thread sees it arrive, not on speculation.
 fn assert_identical(plain: &Run, spec: &Run, what: &str) {
-    assert_eq!(plain.error, None, "{what}");
-    assert_eq!(spec.error, None, "{what}");
-    assert_eq!(plain.tokens, spec.tokens, "{what}: token events");
-    let strip = |r: &Run| {
-        r.finish.clone().map(|(reason, text, mut usage)| {
-            usage.spec = None;
-            usage.cached_tokens = 0;
-            (reason, text, usage)
-        })
-    };
-    assert_eq!(strip(plain), strip(spec), "{what}: finish and usage");
-    assert!(plain.finish.as_ref().is_some_and(|f| f.2.spec.is_none()));
+    assert_spec_equals_plain(
+        &[plain.without_cached_tokens()],
+        &[spec.without_cached_tokens()],
+        what,
+    );
 }
 
 fn spec_engine(drafters: DrafterSet, policy: PolicyConfig) -> Engine {
@@ -86,12 +31,6 @@ fn spec_engine(drafters: DrafterSet, policy: PolicyConfig) -> Engine {
         ..config()
     })
     .0
-}
-
-/// Runs `reqs` concurrently on `e`.
-fn run_all(e: &Engine, reqs: Vec<GenerateRequest>) -> Vec<Run> {
-    let hs: Vec<_> = reqs.into_iter().map(|r| e.submit(r).unwrap()).collect();
-    hs.into_iter().map(collect).collect()
 }
 
 fn plain(reqs: Vec<GenerateRequest>) -> Vec<Run> {
@@ -119,7 +58,7 @@ fn with_drafter(
         .zip(plain)
         .map(|(mut r, p)| {
             let mut expected = r.prompt.clone();
-            expected.extend(p.token_ids());
+            expected.extend(p.ids());
             r.drafter = Some(make(expected));
             r.spec_policy = Some(PolicyConfig::always(6));
             r

@@ -1,0 +1,3 @@
+//! Integration tests of the runtime crate: the crate graph of ARCHITECTURE.md holds.
+
+mod crate_graph;
