@@ -140,6 +140,11 @@ const KERNELS: &[&str] = &[
     "matmul_q6_k_m16",
     "mmq_q4_k",
     "mmq_q6_k",
+    "mmq_q4_0",
+    "mmq_q4_1",
+    "mmq_q5_0",
+    "mmq_q5_1",
+    "mmq_q8_0",
     "matmul_float",
     "rms_norm",
     "add_in_place",
@@ -483,8 +488,8 @@ impl Device {
             .unwrap_or_default()
     }
 
-    /// Turns the tensor-core prefill matmuls (`mmq_*`: Q4_K and Q6_K weights over 17 or
-    /// more rows) on or off. They compute the same bits as the other matmul kernels (the
+    /// Turns the tensor-core prefill matmuls (`mmq_*`: Q4_K, Q6_K and the 32-element block
+    /// formats over 17 or more rows) on or off. They compute the same bits as the other matmul kernels (the
     /// same exact integer block sums, the same float steps in block order), so this only
     /// changes speed; on by default (`LOCKSTEP_CUDA_MMA=0` turns them off), and never on
     /// below compute capability 8.0 (no int8 `mma` instruction there).

@@ -824,6 +824,170 @@ __device__ __forceinline__ void mmq_impl(const u8* w0, const u8* w1, const u8* w
 MMQ(mmq_q4_k, F_Q4_K)
 MMQ(mmq_q6_k, F_Q6_K)
 
+// The tensor-core kernel of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
+// the same tiles, warps and fragments as mmq_impl; a stage holds up to eight consecutive
+// blocks of every column (256 activations per row; the last stage of a row may hold fewer,
+// since k need only be a multiple of 32). Per output, each block's exact integer sum comes
+// from two m16n8k16 steps, then the block's float step (block_step, with the activation
+// block sum for the minimum of Q4_1 / Q5_1) in block order: matmul_q_impl's arithmetic.
+template <int F>
+__device__ __forceinline__ void mmq32_impl(const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int n2,
+                                           float* o0, float* o1, float* o2, const float* b0, const float* b1,
+                                           const float* b2, const i8* qs, const float* ad, int k, int m,
+                                           int mode) {
+    const bool PAIR = (mode & 3) == 2;
+    const int BB = Meta<F>::BB;
+    const int RS = (8 * BB + 30) / 16 * 16;  // eight blocks starting anywhere in a 16-byte line
+    const bool MIN = F == F_Q4_1 || F == F_Q5_1;
+    __shared__ __align__(16) u8 s_raw[MMQ_N * RS];
+    __shared__ __align__(16) i8 s_w[MMQ_N * MMQ_LD];
+    __shared__ __align__(16) i8 s_a[MMQ_M * MMQ_LD];
+    __shared__ float s_d[MMQ_N * 8];
+    __shared__ float s_m[MIN ? MMQ_N * 8 : 1];
+    __shared__ int s_as[MIN ? MMQ_M * 8 : 1];
+    __shared__ float s_da[MMQ_M * 8];
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int g = lane >> 2, tq = lane & 3;
+    int t = blockIdx.x;
+    int t0 = (n0 + MMQ_N - 1) / MMQ_N, t1 = PAIR ? 0 : (n1 + MMQ_N - 1) / MMQ_N;
+    const u8* w = w0;
+    float* out = o0;
+    const float* bias = b0;
+    int n = n0;
+    if (t >= t0) {
+        t -= t0;
+        if (t < t1) {
+            w = w1; out = o1; bias = b1; n = n1;
+        } else {
+            t -= t1;
+            w = w2; out = o2; bias = b2; n = n2;
+        }
+    }
+    int col0 = t * MMQ_N, r0 = blockIdx.y * MMQ_M;
+    int nb = k / 32;
+    int wr = (warp & 1) * 16, wc = (warp >> 1) * 32;
+    float acc[4][4], accg[4][4];
+    for (int h = 0; h < (PAIR ? 2 : 1); h++) {
+        const u8* wm = h ? w1 : w;
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[a][i] = 0.0f;
+        for (int b0s = 0; b0s < nb; b0s += 8) {
+            int nbl = min(8, nb - b0s);
+            __syncthreads();  // every read of the previous stage's shared data is done
+            for (int c = warp; c < MMQ_N; c += MMQ_THREADS / 32) {
+                int col = min(col0 + c, n - 1);
+                stage_issue(s_raw + c * RS, wm + ((size_t)col * nb + b0s) * BB, nbl * BB, lane);
+            }
+            for (int i = tid; i < MMQ_M * 16; i += MMQ_THREADS) {
+                int r = i >> 4, ch = i & 15;
+                int row = min(r0 + r, m - 1);
+                if (ch < 2 * nbl)
+                    cp_async16(s_a + r * MMQ_LD + ch * 16, qs + (size_t)row * k + (size_t)b0s * 32 + ch * 16);
+            }
+            for (int i = tid; i < MMQ_M * 8; i += MMQ_THREADS) {
+                int r = i >> 3, j = i & 7;
+                if (j < nbl) s_da[i] = ad[(size_t)min(r0 + r, m - 1) * nb + b0s + j];
+            }
+            cp_async_wait_all();
+            __syncthreads();
+            for (int i = tid; i < MMQ_N * 64; i += MMQ_THREADS) {
+                int c = i >> 6, q = i & 63, j = q >> 3;
+                if (j >= nbl) continue;
+                int col = min(col0 + c, n - 1);
+                const u8* blk = s_raw + c * RS + (int)((size_t)(wm + ((size_t)col * nb + b0s) * BB) & 15) + j * BB;
+                int v = codes4<F>(blk, 4 * (q & 7));
+                if (Off<F>::V) v = (int)__vsub4((u32)v, (u32)Off<F>::V * 0x01010101u);
+                *(int*)(s_w + c * MMQ_LD + 4 * q) = v;
+            }
+            for (int i = tid; i < MMQ_N * 8; i += MMQ_THREADS) {
+                int c = i >> 3, j = i & 7;
+                if (j >= nbl) continue;
+                int col = min(col0 + c, n - 1);
+                const u8* blk = s_raw + c * RS + (int)((size_t)(wm + ((size_t)col * nb + b0s) * BB) & 15) + j * BB;
+                s_d[i] = block_d<F>(blk);
+                if (MIN) s_m[i] = block_m<F>(blk);
+            }
+            if (MIN) {
+                for (int i = tid; i < MMQ_M * 8; i += MMQ_THREADS) {
+                    int r = i >> 3, j = i & 7;
+                    if (j >= nbl) continue;
+                    const int* a4 = (const int*)(s_a + r * MMQ_LD + j * 32);
+                    int s = 0;
+#pragma unroll
+                    for (int u = 0; u < 8; u++) s = __dp4a(0x01010101, a4[u], s);
+                    s_as[i] = s;
+                }
+            }
+            __syncthreads();
+            for (int j = 0; j < nbl; j++) {
+                int dot[4][4];
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) dot[a][i] = 0;
+#pragma unroll
+                for (int kk = 0; kk < 2; kk++) {
+                    int ko = j * 32 + kk * 16 + 4 * tq;
+                    int a0 = *(const int*)(s_a + (wr + g) * MMQ_LD + ko);
+                    int a1 = *(const int*)(s_a + (wr + g + 8) * MMQ_LD + ko);
+#pragma unroll
+                    for (int a = 0; a < 4; a++) {
+                        int bv = *(const int*)(s_w + (wc + 8 * a + g) * MMQ_LD + ko);
+                        mma_s8_16(dot[a], a0, a1, bv);
+                    }
+                }
+#pragma unroll
+                for (int a = 0; a < 4; a++) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int c = wc + 8 * a + 2 * tq + (i & 1);
+                        int r = wr + g + 8 * (i >> 1);
+                        acc[a][i] = block_step<F>(acc[a][i], s_d[c * 8 + j], MIN ? s_m[c * 8 + j] : 0.0f,
+                                                  s_da[r * 8 + j], dot[a][i], MIN ? s_as[r * 8 + j] : 0);
+                    }
+                }
+            }
+        }
+        if (PAIR && h == 0) {
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) accg[a][i] = acc[a][i];
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < 4; a++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int col = col0 + wc + 8 * a + 2 * tq + (i & 1);
+            int row = r0 + wr + g + 8 * (i >> 1);
+            if (row < m && col < n) {
+                float* o = out + (size_t)row * n + col;
+                float v = acc[a][i];
+                if (PAIR) {
+                    v = __fmul_rn(canon_silu(accg[a][i]), v);
+                } else {
+                    if (bias) v = __fadd_rn(v, bias[col]);
+                    if ((mode & 3) == 1) v = __fadd_rn(*o, v);
+                }
+                *o = v;
+            }
+        }
+    }
+}
+
+#define MMQ32(name, F) \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) name(MATMUL_ARGS) { \
+        mmq32_impl<F>(w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, qs, ad, k, m, mode); \
+    }
+MMQ32(mmq_q4_0, F_Q4_0)
+MMQ32(mmq_q4_1, F_Q4_1)
+MMQ32(mmq_q5_0, F_Q5_0)
+MMQ32(mmq_q5_1, F_Q5_1)
+MMQ32(mmq_q8_0, F_Q8_0)
+
 // ---- matrix-vector products (one activation row: decode) ------------------------------
 //
 // The same canonical arithmetic as matmul_q_impl with MT = 1 (per weight row: exact integer

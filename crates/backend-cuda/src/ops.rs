@@ -188,6 +188,11 @@ fn mmq_kernel(f: Format) -> Option<&'static str> {
     match f {
         Format::Q4_K => Some("mmq_q4_k"),
         Format::Q6_K => Some("mmq_q6_k"),
+        Format::Q4_0 => Some("mmq_q4_0"),
+        Format::Q4_1 => Some("mmq_q4_1"),
+        Format::Q5_0 => Some("mmq_q5_0"),
+        Format::Q5_1 => Some("mmq_q5_1"),
+        Format::Q8_0 => Some("mmq_q8_0"),
         _ => None,
     }
 }

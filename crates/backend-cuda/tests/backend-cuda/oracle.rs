@@ -150,7 +150,32 @@ fn tensor_core_matmul_matches_cpu_and_the_warp_kernels() {
         (200, 8960, 64),
         (96, 4096, 512),
     ];
-    for (fi, format) in [Format::Q4_K, Format::Q6_K].into_iter().enumerate() {
+    // The 32-element block formats: k any multiple of 32 (stages of eight blocks, the
+    // last one short: 896 = 3.5 stages, 576 = 2.25, a single block).
+    let shapes32 = [
+        (1, 32, 17),
+        (63, 96, 32),
+        (64, 576, 33),
+        (70, 896, 40),
+        (130, 1024, 100),
+        (200, 4864, 64),
+        (96, 2048, 512),
+    ];
+    let formats = [
+        Format::Q4_K,
+        Format::Q6_K,
+        Format::Q4_0,
+        Format::Q4_1,
+        Format::Q5_0,
+        Format::Q5_1,
+        Format::Q8_0,
+    ];
+    for (fi, format) in formats.into_iter().enumerate() {
+        let shapes = if format.block_len() == 32 {
+            &shapes32
+        } else {
+            &shapes
+        };
         for (si, &(n, k, m)) in shapes.iter().enumerate() {
             let seed = (1000 + fi * 100 + si) as u64;
             let wf = randv(n * k, seed, 1.0);
@@ -474,7 +499,8 @@ fn forward_matches_cpu_model_bit_for_bit() {
 
 #[test]
 fn prefill_with_tensor_cores_matches_cpu_model_bit_for_bit() {
-    // Chunks of 17 rows and more take the tensor-core matmuls for Q4_K and Q6_K weights:
+    // Chunks of 17 rows and more take the tensor-core matmuls (Q4_K, Q6_K and the 32-element
+    // block formats):
     // q/k/v with bias (qwen2), the output projection and down projection accumulating into
     // the residual, the gate/up pair with SwiGLU, and the Q6_K output head.
     let cases = [
@@ -485,6 +511,26 @@ fn prefill_with_tensor_cores_matches_cpu_model_bit_for_bit() {
             "mma-qwen-q4k",
         ),
         ("llama", GgmlType::Q6_K, None, "mma-llama-q6k-tied"),
+        // The 32-element block formats (the 0.5b and smollm2 files' matmuls).
+        (
+            "qwen2",
+            GgmlType::Q5_0,
+            Some(GgmlType::Q8_0),
+            "mma-qwen-q50",
+        ),
+        (
+            "llama",
+            GgmlType::Q4_1,
+            Some(GgmlType::Q8_0),
+            "mma-llama-q41",
+        ),
+        ("llama", GgmlType::Q4_0, None, "mma-llama-q40-tied"),
+        (
+            "qwen2",
+            GgmlType::Q5_1,
+            Some(GgmlType::Q8_0),
+            "mma-qwen-q51",
+        ),
     ];
     for (arch, mm, head, tag) in cases {
         let g = tiny_model(arch, mm, head, tag);
