@@ -20,7 +20,8 @@
 //! fixed order costs; those logits are not the canonical ones), and with `--profile` the
 //! kernels of a 512-row and a 2048-row prefill and of one decode step (graphs off, a wait around each launch) at contexts 64 and
 //! 512, summed by kernel. `--steps-only` runs a 64-token prefill and four decode steps
-//! without graphs and nothing else (for an external profiler such as `ncu`).
+//! without graphs and nothing else (for an external profiler such as `ncu`); `--pp-only`
+//! stops after the first pp512 (a prefill's kernels for a profiler).
 
 use engine::{ForwardBackend, ForwardRow, KvSlot, ModelBackend};
 use gguf::GgufFile;
@@ -178,13 +179,14 @@ fn tg128(b: &mut lockstep_backend_cuda::CudaBackend) -> f64 {
 
 fn main() {
     const USAGE: &str = "usage: cuda_bench MODEL.gguf [--check-cpu] [--unordered] [--profile] \
-                         [--ab] [--steps-only]\n(the options are described at the top of \
+                         [--ab] [--steps-only] [--pp-only]\n(the options are described at the top of \
                          crates/backend-cuda/examples/cuda_bench.rs)";
-    const FLAGS: [&str; 5] = [
+    const FLAGS: [&str; 6] = [
         "--check-cpu",
         "--unordered",
         "--profile",
         "--ab",
+        "--pp-only",
         "--steps-only",
     ];
     let args: Vec<String> = std::env::args().collect();
@@ -264,6 +266,9 @@ fn main() {
 
     let (pp_s, pp_logits) = pp512_logits(&mut b, &prompt);
     println!("pp512: {:.1} ms, {:.0} tokens/s", pp_s * 1e3, 512.0 / pp_s);
+    if args.iter().any(|a| a == "--pp-only") {
+        return;
+    }
     let dev = b.model().device();
     if dev.mma() {
         // The warp kernels for the same prefill (same bits), then the default again.
@@ -281,6 +286,26 @@ fn main() {
             pp_t * 1e3,
             pp_w * 1e3,
             pp_w / pp_t
+        );
+    }
+    let dev = b.model().device();
+    if dev.mma() && dev.mmq_wide() {
+        // The 32-row tensor-core tiles for the same prefill (same bits), then the wide
+        // ones again.
+        dev.set_mmq_wide(false);
+        let (pp_n, narrow_logits) = pp512_logits(&mut b, &prompt);
+        b.model().device().set_mmq_wide(true);
+        let (pp_w, _) = pp512_logits(&mut b, &prompt);
+        let same = pp_logits
+            .iter()
+            .map(|v| v.to_bits())
+            .eq(narrow_logits.iter().map(|v| v.to_bits()));
+        println!(
+            "pp512 wide tensor-core tiles vs 32-row tiles (same run, wide measured again after): \
+             {:.1} / {:.1} ms ({:.2}x); the same logits: {same}",
+            pp_w * 1e3,
+            pp_n * 1e3,
+            pp_n / pp_w
         );
     }
     // The many-row attention kernel against the per-(row, head) tiled one (same bits).

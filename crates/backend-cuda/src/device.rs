@@ -74,6 +74,7 @@ pub struct Device {
     /// Whether prefill matmuls of the formats with a tensor-core kernel use it
     /// ([`Device::set_mma`]).
     mma: std::sync::atomic::AtomicBool,
+    mmq_wide: std::sync::atomic::AtomicBool,
     profile: std::sync::Mutex<Option<Vec<(String, f64)>>>,
 }
 
@@ -139,12 +140,18 @@ const KERNELS: &[&str] = &[
     "matmul_q6_k_m1",
     "matmul_q6_k_m16",
     "mmq_q4_k",
+    "mmqw_q4_k",
     "mmq_q6_k",
     "mmq_q4_0",
     "mmq_q4_1",
     "mmq_q5_0",
     "mmq_q5_1",
     "mmq_q8_0",
+    "mmqw_q4_0",
+    "mmqw_q4_1",
+    "mmqw_q5_0",
+    "mmqw_q5_1",
+    "mmqw_q8_0",
     "matmul_float",
     "rms_norm",
     "add_in_place",
@@ -457,6 +464,9 @@ impl Device {
             smem_optin,
             unordered: std::sync::atomic::AtomicBool::new(false),
             mma: std::sync::atomic::AtomicBool::new(cc >= (8, 0) && mma_default()),
+            mmq_wide: std::sync::atomic::AtomicBool::new(
+                std::env::var("LOCKSTEP_CUDA_MMQW").map_or(true, |v| v != "0"),
+            ),
             profile: std::sync::Mutex::new(None),
         })
     }
@@ -503,6 +513,22 @@ impl Device {
     /// Whether the tensor-core prefill matmuls are on ([`Device::set_mma`]).
     pub fn mma(&self) -> bool {
         self.mma.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns the wide tensor-core tiles (`mmqw_*` for Q4_K and the 32-element block
+    /// formats: 64 rows by 64 columns, one m16n8k32 step per 32 values, weight fragments
+    /// decoded straight from the staged raw blocks) on or off for matmuls over more than 32
+    /// rows; off, those take the 32-row `mmq_*` kernels. The same bits either way; on by
+    /// default (`LOCKSTEP_CUDA_MMQW=0` turns them off). Only matters while [`Device::mma`]
+    /// is on.
+    pub fn set_mmq_wide(&self, on: bool) {
+        self.mmq_wide
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the wide Q4_K tiles are on ([`Device::set_mmq_wide`]).
+    pub fn mmq_wide(&self) -> bool {
+        self.mmq_wide.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether [`Device::set_unordered_matmul`] is on.

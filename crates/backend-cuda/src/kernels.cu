@@ -386,6 +386,29 @@ template <> __device__ __forceinline__ int codes4<F_Q4_0>(const u8* b, int e) {
     u32 w = ld_u32_2(b + 2 + (e & 15));
     return (int)((e < 16 ? w : (w >> 4)) & 0x0F0F0F0Fu);
 }
+// Q4_1 (20-byte blocks): the nibbles themselves.
+template <> __device__ __forceinline__ int codes4<F_Q4_1>(const u8* b, int e) {
+    u32 w = ld_u32_2(b + 4 + (e & 15));
+    return (int)((e < 16 ? w : (w >> 4)) & 0x0F0F0F0Fu);
+}
+// The four high bits (qh >> e) & 15 of Q5_0/Q5_1 moved to bit 4 of each byte: one multiply
+// puts bit i at bit 8 i (the other shifted copies land on bits the mask clears, and no two
+// products share a bit, so nothing carries).
+__device__ __forceinline__ u32 high_bits4(u32 qh, int e) {
+    return ((((qh >> e) & 0xFu) * 0x00204081u) & 0x01010101u) << 4;
+}
+// Q5_0 (22-byte blocks, 2-byte aligned): nibble | high bit, minus 16 in each byte.
+template <> __device__ __forceinline__ int codes4<F_Q5_0>(const u8* b, int e) {
+    u32 w = ld_u32_2(b + 6 + (e & 15));
+    u32 lo = (e < 16 ? w : (w >> 4)) & 0x0F0F0F0Fu;
+    return (int)__vsub4(lo | high_bits4(ld_u32_2(b + 2), e), 0x10101010u);
+}
+// Q5_1 (24-byte blocks): nibble | high bit.
+template <> __device__ __forceinline__ int codes4<F_Q5_1>(const u8* b, int e) {
+    u32 w = ld_u32_2(b + 8 + (e & 15));
+    u32 lo = (e < 16 ? w : (w >> 4)) & 0x0F0F0F0Fu;
+    return (int)(lo | high_bits4(ld_u32_2(b + 4), e));
+}
 // Q6_K (210-byte blocks, 2-byte aligned): code + 32 is the 4 low bits from ql and the 2
 // high bits from qh (quant::blocks' layout, as code_at).
 template <> __device__ __forceinline__ int codes4<F_Q6_K>(const u8* b, int e) {
@@ -650,6 +673,52 @@ __device__ __forceinline__ void mma_s8_16(int* c, int a0, int a1, int b0) {
 #endif
 }
 
+// The matrix and column tile of a mmq CTA (blockIdx.x runs over the tiles of w0, then w1,
+// then w2; a gate/up pair has w0's tiles only): sets *w, *out, *bias, *n, returns the tile.
+__device__ __forceinline__ int mmq_pick(bool pair, const u8* w0, const u8* w1, const u8* w2, int n0, int n1,
+                                        int n2, float* o0, float* o1, float* o2, const float* b0,
+                                        const float* b1, const float* b2, const u8** w, float** out,
+                                        const float** bias, int* n) {
+    int t = blockIdx.x;
+    int t0 = (n0 + MMQ_N - 1) / MMQ_N, t1 = pair ? 0 : (n1 + MMQ_N - 1) / MMQ_N;
+    *w = w0; *out = o0; *bias = b0; *n = n0;
+    if (t >= t0) {
+        t -= t0;
+        if (t < t1) {
+            *w = w1; *out = o1; *bias = b1; *n = n1;
+        } else {
+            t -= t1;
+            *w = w2; *out = o2; *bias = b2; *n = n2;
+        }
+    }
+    return t;
+}
+
+// A warp's 16 × 32 outputs (fragment layout above; row0 = the tile's row + g, col0 = its
+// column + 2 tq) by launch mode: store (+ bias), accumulate (residual), or silu(gate) * up.
+__device__ __forceinline__ void mmq_store(const float (&acc)[4][4], const float (&accg)[4][4], float* out,
+                                          const float* bias, int n, int m, int row0, int col0, int mode) {
+#pragma unroll
+    for (int a = 0; a < 4; a++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int col = col0 + 8 * a + (i & 1);
+            int row = row0 + 8 * (i >> 1);
+            if (row < m && col < n) {
+                float* o = out + (size_t)row * n + col;
+                float v = acc[a][i];
+                if ((mode & 3) == 2) {
+                    v = __fmul_rn(canon_silu(accg[a][i]), v);
+                } else {
+                    if (bias) v = __fadd_rn(v, bias[col]);
+                    if ((mode & 3) == 1) v = __fadd_rn(*o, v);
+                }
+                *o = v;
+            }
+        }
+    }
+}
+
 template <int F>
 __device__ __forceinline__ void mmq_impl(const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int n2,
                                          float* o0, float* o1, float* o2, const float* b0, const float* b1,
@@ -670,21 +739,11 @@ __device__ __forceinline__ void mmq_impl(const u8* w0, const u8* w1, const u8* w
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int g = lane >> 2, tq = lane & 3;
     // Which matrix and which column tile.
-    int t = blockIdx.x;
-    int t0 = (n0 + MMQ_N - 1) / MMQ_N, t1 = PAIR ? 0 : (n1 + MMQ_N - 1) / MMQ_N;
-    const u8* w = w0;
-    float* out = o0;
-    const float* bias = b0;
-    int n = n0;
-    if (t >= t0) {
-        t -= t0;
-        if (t < t1) {
-            w = w1; out = o1; bias = b1; n = n1;
-        } else {
-            t -= t1;
-            w = w2; out = o2; bias = b2; n = n2;
-        }
-    }
+    const u8* w;
+    float* out;
+    const float* bias;
+    int n;
+    int t = mmq_pick(PAIR, w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, &w, &out, &bias, &n);
     int col0 = t * MMQ_N, r0 = blockIdx.y * MMQ_M;
     int nb = k / 256;
     int wr = (warp & 1) * 16, wc = (warp >> 1) * 32;
@@ -796,25 +855,7 @@ __device__ __forceinline__ void mmq_impl(const u8* w0, const u8* w1, const u8* w
                 for (int i = 0; i < 4; i++) accg[a][i] = acc[a][i];
         }
     }
-#pragma unroll
-    for (int a = 0; a < 4; a++) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int col = col0 + wc + 8 * a + 2 * tq + (i & 1);
-            int row = r0 + wr + g + 8 * (i >> 1);
-            if (row < m && col < n) {
-                float* o = out + (size_t)row * n + col;
-                float v = acc[a][i];
-                if (PAIR) {
-                    v = __fmul_rn(canon_silu(accg[a][i]), v);
-                } else {
-                    if (bias) v = __fadd_rn(v, bias[col]);
-                    if ((mode & 3) == 1) v = __fadd_rn(*o, v);
-                }
-                *o = v;
-            }
-        }
-    }
+    mmq_store(acc, accg, out, bias, n, m, r0 + wr + g, col0 + wc + 2 * tq, mode);
 }
 
 #define MMQ(name, F) \
@@ -823,6 +864,206 @@ __device__ __forceinline__ void mmq_impl(const u8* w0, const u8* w1, const u8* w
     }
 MMQ(mmq_q4_k, F_Q4_K)
 MMQ(mmq_q6_k, F_Q6_K)
+
+// ---- wide tensor-core tiles for Q4_K (mmqw) ---------------------------------------------
+//
+// The arithmetic of mmq_impl (per output and 256-value block: isum = sum_j sc_j * dot_j and
+// msum = sum_j mn_j * asum_j as exact integers, then block_step in block order) with less
+// work around each tensor-core step: a CTA computes MMQW_M = 64 rows by MMQ_N = 64 columns
+// (four warps of 32 × 32, so each staged weight block serves twice the rows), one
+// m16n8k32 step covers a whole 32-value sub-block, and its weight fragment comes straight
+// from the staged raw block (sub-block j is the low or high nibbles of 32 consecutive code
+// bytes, no unpacked copy). The mins' integer sum is itself a product of two small
+// matrices (rows' sub-block code sums by columns' 6-bit mins over j = 0..7); each code sum
+// |asum_j| <= 32 * 127 splits exactly as hi * 128 + lo with hi in [-32, 31] and lo in
+// [0, 127], so two m16n8k16 steps (k padded with zeros) give it exactly. Raw blocks are
+// staged whole and 16-byte aligned (the host launches mmqw only for 16-byte-aligned
+// matrices); a 144-byte row stride puts the eight columns and four k-quads of a fragment
+// load in 32 different banks.
+#define MMQW_M 64
+#define MMQW_RS 144
+
+// m16n8k32 (.s8), C = 0: a0 = A[g][4t..4t+3], a1 = A[g+8][4t..], a2 = A[g][16+4t..],
+// a3 = A[g+8][16+4t..]; b0 = B[4t..4t+3][g], b1 = B[16+4t..16+4t+3][g]; d as mma_s8_16.
+__device__ __forceinline__ void mma_s8_32(int* d, int a0, int a1, int a2, int a3, int b0, int b1) {
+#if __CUDA_ARCH__ < 800
+    __trap();
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+#endif
+}
+
+template <int F>
+__device__ __forceinline__ void mmqw_impl(const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int n2,
+                                          float* o0, float* o1, float* o2, const float* b0, const float* b1,
+                                          const float* b2, const i8* qs, const float* ad, int k, int m,
+                                          int mode) {
+    static_assert(F == F_Q4_K, "mmqw takes Q4_K");
+    const bool PAIR = (mode & 3) == 2;
+    const int BB = Meta<F>::BB;
+    __shared__ __align__(16) u8 s_raw[MMQ_N * MMQW_RS];
+    __shared__ __align__(16) i8 s_a[MMQW_M * MMQ_LD];
+    __shared__ __align__(16) u8 s_sc[MMQ_N * 8];
+    __shared__ __align__(16) u8 s_mn[MMQ_N * 8];
+    __shared__ __align__(16) u8 s_ah[MMQW_M * 8];
+    __shared__ __align__(16) u8 s_al[MMQW_M * 8];
+    __shared__ float s_d[MMQ_N], s_m[MMQ_N], s_da[MMQW_M];
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int g = lane >> 2, tq = lane & 3;
+    const u8* w;
+    float* out;
+    const float* bias;
+    int n;
+    int t = mmq_pick(PAIR, w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, &w, &out, &bias, &n);
+    int col0 = t * MMQ_N, r0 = blockIdx.y * MMQW_M;
+    int nb = k / 256;
+    int wr = (warp & 1) * 32, wc = (warp >> 1) * 32;
+    float acc[2][4][4], accg[2][4][4];
+    for (int h = 0; h < (PAIR ? 2 : 1); h++) {
+        const u8* wm = h ? w1 : w;
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[mi][a][i] = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            __syncthreads();  // every read of the previous block's shared data is done
+            // Stage: whole raw blocks of the columns, the rows' codes and scales (rows and
+            // columns past the end read the last one; their results are never stored).
+            for (int i = tid; i < MMQ_N * (BB / 16); i += MMQ_THREADS) {
+                int c = i / (BB / 16), ch = i - c * (BB / 16);
+                int col = min(col0 + c, n - 1);
+                cp_async16(s_raw + c * MMQW_RS + ch * 16, wm + ((size_t)col * nb + b) * BB + ch * 16);
+            }
+            for (int i = tid; i < MMQW_M * 16; i += MMQ_THREADS) {
+                int r = i >> 4, ch = i & 15;
+                int row = min(r0 + r, m - 1);
+                cp_async16(s_a + r * MMQ_LD + ch * 16, qs + (size_t)row * k + (size_t)b * 256 + ch * 16);
+            }
+            if (tid < MMQW_M) s_da[tid] = ad[(size_t)min(r0 + tid, m - 1) * nb + b];
+            cp_async_wait_all();
+            __syncthreads();
+            // The columns' sub-block scales and mins (a thread per column), the rows'
+            // sub-block code sums as hi and lo bytes (two threads per row, four j each).
+            if (tid < MMQ_N) {
+                const u8* blk = s_raw + tid * MMQW_RS;
+                u32 sc[2] = {0, 0}, mn[2] = {0, 0};
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    int s, q;
+                    sub_scale<F>(blk, j, &s, &q);
+                    sc[j >> 2] |= (u32)s << (8 * (j & 3));
+                    mn[j >> 2] |= (u32)q << (8 * (j & 3));
+                }
+                *(u32*)(s_sc + tid * 8) = sc[0];
+                *(u32*)(s_sc + tid * 8 + 4) = sc[1];
+                *(u32*)(s_mn + tid * 8) = mn[0];
+                *(u32*)(s_mn + tid * 8 + 4) = mn[1];
+                s_d[tid] = block_d<F>(blk);
+                s_m[tid] = block_m<F>(blk);
+            }
+            {
+                int r = tid >> 1, j0 = (tid & 1) * 4;
+                const int* a4 = (const int*)(s_a + r * MMQ_LD + j0 * 32);
+                u32 hi = 0, lo = 0;
+#pragma unroll
+                for (int jj = 0; jj < 4; jj++) {
+                    int s = 0;
+#pragma unroll
+                    for (int u = 0; u < 8; u++) s = __dp4a(0x01010101, a4[jj * 8 + u], s);
+                    hi |= ((u32)(s >> 7) & 0xFFu) << (8 * jj);
+                    lo |= ((u32)s & 0x7Fu) << (8 * jj);
+                }
+                *(u32*)(s_ah + r * 8 + j0) = hi;
+                *(u32*)(s_al + r * 8 + j0) = lo;
+            }
+            __syncthreads();
+            // Exact integer sums of the block.
+            int isum[2][4][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) isum[mi][a][i] = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                int af[2][4];
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    const i8* ra = s_a + (wr + 16 * mi + g) * MMQ_LD + 32 * j + 4 * tq;
+                    af[mi][0] = *(const int*)ra;
+                    af[mi][1] = *(const int*)(ra + 8 * MMQ_LD);
+                    af[mi][2] = *(const int*)(ra + 16);
+                    af[mi][3] = *(const int*)(ra + 8 * MMQ_LD + 16);
+                }
+#pragma unroll
+                for (int a = 0; a < 4; a++) {
+                    const u8* cb = s_raw + (wc + 8 * a + g) * MMQW_RS + 16 + 32 * (j >> 1) + 4 * tq;
+                    u32 x0 = *(const u32*)cb, x1 = *(const u32*)(cb + 16);
+                    int bf0 = (int)((x0 >> (4 * (j & 1))) & 0x0F0F0F0Fu);
+                    int bf1 = (int)((x1 >> (4 * (j & 1))) & 0x0F0F0F0Fu);
+                    int sc0 = s_sc[(wc + 8 * a + 2 * tq) * 8 + j];
+                    int sc1 = s_sc[(wc + 8 * a + 2 * tq + 1) * 8 + j];
+#pragma unroll
+                    for (int mi = 0; mi < 2; mi++) {
+                        int d[4];
+                        mma_s8_32(d, af[mi][0], af[mi][1], af[mi][2], af[mi][3], bf0, bf1);
+                        isum[mi][a][0] += sc0 * d[0];
+                        isum[mi][a][1] += sc1 * d[1];
+                        isum[mi][a][2] += sc0 * d[2];
+                        isum[mi][a][3] += sc1 * d[3];
+                    }
+                }
+            }
+            // The mins' sums (two m16n8k16 steps on the hi and lo bytes), then the block's
+            // float step, in block order.
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                int ro = (wr + 16 * mi + g) * 8 + 4 * tq;
+                bool kin = tq < 2;
+                int h0 = kin ? *(const int*)(s_ah + ro) : 0;
+                int h1 = kin ? *(const int*)(s_ah + ro + 64) : 0;
+                int l0 = kin ? *(const int*)(s_al + ro) : 0;
+                int l1 = kin ? *(const int*)(s_al + ro + 64) : 0;
+#pragma unroll
+                for (int a = 0; a < 4; a++) {
+                    int bm = kin ? *(const int*)(s_mn + (wc + 8 * a + g) * 8 + 4 * tq) : 0;
+                    int dh[4] = {0, 0, 0, 0}, dl[4] = {0, 0, 0, 0};
+                    mma_s8_16(dh, h0, h1, bm);
+                    mma_s8_16(dl, l0, l1, bm);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int c = wc + 8 * a + 2 * tq + (i & 1);
+                        int r = wr + 16 * mi + g + 8 * (i >> 1);
+                        acc[mi][a][i] = block_step<F>(acc[mi][a][i], s_d[c], s_m[c], s_da[r], isum[mi][a][i],
+                                                      dh[i] * 128 + dl[i]);
+                    }
+                }
+            }
+        }
+        if (PAIR && h == 0) {
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) accg[mi][a][i] = acc[mi][a][i];
+        }
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+        mmq_store(acc[mi], accg[mi], out, bias, n, m, r0 + wr + 16 * mi + g, col0 + wc + 2 * tq, mode);
+}
+
+extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmqw_q4_k(MATMUL_ARGS) {
+    mmqw_impl<F_Q4_K>(w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, qs, ad, k, m, mode);
+}
 
 // The tensor-core kernel of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
 // the same tiles, warps and fragments as mmq_impl; a stage holds up to eight consecutive
@@ -848,21 +1089,11 @@ __device__ __forceinline__ void mmq32_impl(const u8* w0, const u8* w1, const u8*
     __shared__ float s_da[MMQ_M * 8];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int g = lane >> 2, tq = lane & 3;
-    int t = blockIdx.x;
-    int t0 = (n0 + MMQ_N - 1) / MMQ_N, t1 = PAIR ? 0 : (n1 + MMQ_N - 1) / MMQ_N;
-    const u8* w = w0;
-    float* out = o0;
-    const float* bias = b0;
-    int n = n0;
-    if (t >= t0) {
-        t -= t0;
-        if (t < t1) {
-            w = w1; out = o1; bias = b1; n = n1;
-        } else {
-            t -= t1;
-            w = w2; out = o2; bias = b2; n = n2;
-        }
-    }
+    const u8* w;
+    float* out;
+    const float* bias;
+    int n;
+    int t = mmq_pick(PAIR, w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, &w, &out, &bias, &n);
     int col0 = t * MMQ_N, r0 = blockIdx.y * MMQ_M;
     int nb = k / 32;
     int wr = (warp & 1) * 16, wc = (warp >> 1) * 32;
@@ -957,25 +1188,142 @@ __device__ __forceinline__ void mmq32_impl(const u8* w0, const u8* w1, const u8*
                 for (int i = 0; i < 4; i++) accg[a][i] = acc[a][i];
         }
     }
+    mmq_store(acc, accg, out, bias, n, m, r0 + wr + g, col0 + wc + 2 * tq, mode);
+}
+
+// Wide tiles for the 32-element block formats (mmqw32): mmq32_impl's stages and arithmetic
+// (per output and block: the exact integer dot, then block_step in block order) over 64
+// rows by 64 columns (four warps of 32 × 32), one m16n8k32 step per block, its weight
+// fragment decoded straight from the staged raw block (codes4 at 4t and 16 + 4t), so no
+// unpacked copy of the codes and no shared-memory round trip for them.
+template <int F>
+__device__ __forceinline__ void mmqw32_impl(const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int n2,
+                                            float* o0, float* o1, float* o2, const float* b0, const float* b1,
+                                            const float* b2, const i8* qs, const float* ad, int k, int m,
+                                            int mode) {
+    const bool PAIR = (mode & 3) == 2;
+    const int BB = Meta<F>::BB;
+    const int RS = (8 * BB + 30) / 16 * 16;  // eight blocks starting anywhere in a 16-byte line
+    const bool MIN = F == F_Q4_1 || F == F_Q5_1;
+    __shared__ __align__(16) u8 s_raw[MMQ_N * RS];
+    __shared__ __align__(16) i8 s_a[MMQW_M * MMQ_LD];
+    __shared__ float s_d[MMQ_N * 8];
+    __shared__ float s_m[MIN ? MMQ_N * 8 : 1];
+    __shared__ int s_as[MIN ? MMQW_M * 8 : 1];
+    __shared__ float s_da[MMQW_M * 8];
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int g = lane >> 2, tq = lane & 3;
+    const u8* w;
+    float* out;
+    const float* bias;
+    int n;
+    int t = mmq_pick(PAIR, w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, &w, &out, &bias, &n);
+    int col0 = t * MMQ_N, r0 = blockIdx.y * MMQW_M;
+    int nb = k / 32;
+    int wr = (warp & 1) * 32, wc = (warp >> 1) * 32;
+    float acc[2][4][4], accg[2][4][4];
+    for (int h = 0; h < (PAIR ? 2 : 1); h++) {
+        const u8* wm = h ? w1 : w;
 #pragma unroll
-    for (int a = 0; a < 4; a++) {
+        for (int mi = 0; mi < 2; mi++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int col = col0 + wc + 8 * a + 2 * tq + (i & 1);
-            int row = r0 + wr + g + 8 * (i >> 1);
-            if (row < m && col < n) {
-                float* o = out + (size_t)row * n + col;
-                float v = acc[a][i];
-                if (PAIR) {
-                    v = __fmul_rn(canon_silu(accg[a][i]), v);
-                } else {
-                    if (bias) v = __fadd_rn(v, bias[col]);
-                    if ((mode & 3) == 1) v = __fadd_rn(*o, v);
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[mi][a][i] = 0.0f;
+        for (int b0s = 0; b0s < nb; b0s += 8) {
+            int nbl = min(8, nb - b0s);
+            __syncthreads();  // every read of the previous stage's shared data is done
+            for (int c = warp; c < MMQ_N; c += MMQ_THREADS / 32) {
+                int col = min(col0 + c, n - 1);
+                stage_issue(s_raw + c * RS, wm + ((size_t)col * nb + b0s) * BB, nbl * BB, lane);
+            }
+            for (int i = tid; i < MMQW_M * 16; i += MMQ_THREADS) {
+                int r = i >> 4, ch = i & 15;
+                int row = min(r0 + r, m - 1);
+                if (ch < 2 * nbl)
+                    cp_async16(s_a + r * MMQ_LD + ch * 16, qs + (size_t)row * k + (size_t)b0s * 32 + ch * 16);
+            }
+            for (int i = tid; i < MMQW_M * 8; i += MMQ_THREADS) {
+                int r = i >> 3, j = i & 7;
+                if (j < nbl) s_da[i] = ad[(size_t)min(r0 + r, m - 1) * nb + b0s + j];
+            }
+            cp_async_wait_all();
+            __syncthreads();
+            for (int i = tid; i < MMQ_N * 8; i += MMQ_THREADS) {
+                int c = i >> 3, j = i & 7;
+                if (j >= nbl) continue;
+                int col = min(col0 + c, n - 1);
+                const u8* blk = s_raw + c * RS + (int)((size_t)(wm + ((size_t)col * nb + b0s) * BB) & 15) + j * BB;
+                s_d[i] = block_d<F>(blk);
+                if (MIN) s_m[i] = block_m<F>(blk);
+            }
+            if (MIN) {
+                for (int i = tid; i < MMQW_M * 8; i += MMQ_THREADS) {
+                    int r = i >> 3, j = i & 7;
+                    if (j >= nbl) continue;
+                    const int* a4 = (const int*)(s_a + r * MMQ_LD + j * 32);
+                    int s = 0;
+#pragma unroll
+                    for (int u = 0; u < 8; u++) s = __dp4a(0x01010101, a4[u], s);
+                    s_as[i] = s;
                 }
-                *o = v;
+            }
+            __syncthreads();
+            // Where this thread's four fragment columns' first blocks landed.
+            const u8* cb[4];
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+                int c = wc + 8 * a + g;
+                int col = min(col0 + c, n - 1);
+                cb[a] = s_raw + c * RS + (int)((size_t)(wm + ((size_t)col * nb + b0s) * BB) & 15);
+            }
+#pragma unroll 2
+            for (int j = 0; j < nbl; j++) {
+                int af[2][4];
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    const i8* ra = s_a + (wr + 16 * mi + g) * MMQ_LD + 32 * j + 4 * tq;
+                    af[mi][0] = *(const int*)ra;
+                    af[mi][1] = *(const int*)(ra + 8 * MMQ_LD);
+                    af[mi][2] = *(const int*)(ra + 16);
+                    af[mi][3] = *(const int*)(ra + 8 * MMQ_LD + 16);
+                }
+#pragma unroll
+                for (int a = 0; a < 4; a++) {
+                    const u8* blk = cb[a] + j * BB;
+                    int bf0 = codes4<F>(blk, 4 * tq);
+                    int bf1 = codes4<F>(blk, 16 + 4 * tq);
+                    if (Off<F>::V) {
+                        bf0 = (int)__vsub4((u32)bf0, (u32)Off<F>::V * 0x01010101u);
+                        bf1 = (int)__vsub4((u32)bf1, (u32)Off<F>::V * 0x01010101u);
+                    }
+#pragma unroll
+                    for (int mi = 0; mi < 2; mi++) {
+                        int d[4];
+                        mma_s8_32(d, af[mi][0], af[mi][1], af[mi][2], af[mi][3], bf0, bf1);
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            int c = wc + 8 * a + 2 * tq + (i & 1);
+                            int r = wr + 16 * mi + g + 8 * (i >> 1);
+                            acc[mi][a][i] = block_step<F>(acc[mi][a][i], s_d[c * 8 + j], MIN ? s_m[c * 8 + j] : 0.0f,
+                                                          s_da[r * 8 + j], d[i], MIN ? s_as[r * 8 + j] : 0);
+                        }
+                    }
+                }
             }
         }
+        if (PAIR && h == 0) {
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) accg[mi][a][i] = acc[mi][a][i];
+        }
     }
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+        mmq_store(acc[mi], accg[mi], out, bias, n, m, r0 + wr + 16 * mi + g, col0 + wc + 2 * tq, mode);
 }
 
 #define MMQ32(name, F) \
@@ -987,6 +1335,15 @@ MMQ32(mmq_q4_1, F_Q4_1)
 MMQ32(mmq_q5_0, F_Q5_0)
 MMQ32(mmq_q5_1, F_Q5_1)
 MMQ32(mmq_q8_0, F_Q8_0)
+#define MMQW32(name, F) \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) name(MATMUL_ARGS) { \
+        mmqw32_impl<F>(w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, qs, ad, k, m, mode); \
+    }
+MMQW32(mmqw_q4_0, F_Q4_0)
+MMQW32(mmqw_q4_1, F_Q4_1)
+MMQW32(mmqw_q5_0, F_Q5_0)
+MMQW32(mmqw_q5_1, F_Q5_1)
+MMQW32(mmqw_q8_0, F_Q8_0)
 
 // ---- matrix-vector products (one activation row: decode) ------------------------------
 //

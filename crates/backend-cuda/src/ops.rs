@@ -175,6 +175,8 @@ fn block_geometry(f: Format) -> (usize, usize) {
 /// The kernel for a weight format, or an error for formats without a CUDA kernel.
 /// Rows per tensor-core matmul tile (`MMQ_M` in kernels.cu).
 const MMQ_M: usize = 32;
+/// Rows per wide Q4_K tensor-core tile (`MMQW_M` in kernels.cu).
+const MMQW_M: usize = 64;
 /// Columns per tensor-core matmul tile (`MMQ_N` in kernels.cu).
 const MMQ_N: usize = 64;
 /// Threads per tensor-core matmul CTA (`MMQ_THREADS` in kernels.cu).
@@ -193,6 +195,19 @@ fn mmq_kernel(f: Format) -> Option<&'static str> {
         Format::Q5_0 => Some("mmq_q5_0"),
         Format::Q5_1 => Some("mmq_q5_1"),
         Format::Q8_0 => Some("mmq_q8_0"),
+        _ => None,
+    }
+}
+
+/// The wide (64-row) tensor-core prefill kernel of a weight format, where there is one.
+fn mmqw_kernel(f: Format) -> Option<&'static str> {
+    match f {
+        Format::Q4_K => Some("mmqw_q4_k"),
+        Format::Q4_0 => Some("mmqw_q4_0"),
+        Format::Q4_1 => Some("mmqw_q4_1"),
+        Format::Q5_0 => Some("mmqw_q5_0"),
+        Format::Q5_1 => Some("mmqw_q5_1"),
+        Format::Q8_0 => Some("mmqw_q8_0"),
         _ => None,
     }
 }
@@ -454,11 +469,23 @@ impl Device {
             } else {
                 ws.iter().map(|x| x.0.n.div_ceil(MMQ_N)).sum()
             };
+            // More than one 32-row tile: the wide tiles where the format has them (Q4_K's
+            // stage whole raw blocks with 16-byte copies, so its matrices must start
+            // 16-byte aligned).
+            let wide = mmqw_kernel(w.format).filter(|_| {
+                m > MMQ_M
+                    && self.mmq_wide()
+                    && (w.format != Format::Q4_K || (0..ws.len()).all(|i| wp(i) % 16 == 0))
+            });
+            let (kernel, rows) = match wide {
+                Some(wk) => (wk, MMQW_M),
+                None => (kernel, MMQ_M),
+            };
             return self.launch(
                 kernel,
                 (
                     u32::try_from(tiles).unwrap_or(u32::MAX),
-                    u32::try_from(m.div_ceil(MMQ_M)).unwrap_or(u32::MAX),
+                    u32::try_from(m.div_ceil(rows)).unwrap_or(u32::MAX),
                     1,
                 ),
                 (MMQ_THREADS, 1, 1),

@@ -140,7 +140,8 @@ fn tensor_core_matmul_matches_cpu_and_the_warp_kernels() {
         d.compute_capability()
     );
     // (n, k, m): from the smallest row count that takes the tensor-core kernel (17) up,
-    // ragged and whole tiles (32 rows by 64 columns), one and many blocks per row.
+    // ragged and whole tiles (32 rows by 64 columns; Q4_K's wide tiles: 64 rows), one and
+    // many blocks per row.
     let shapes = [
         (1, 256, 17),
         (63, 512, 32),
@@ -149,6 +150,7 @@ fn tensor_core_matmul_matches_cpu_and_the_warp_kernels() {
         (130, 1024, 100),
         (200, 8960, 64),
         (96, 4096, 512),
+        (70, 768, 129),
     ];
     // The 32-element block formats: k any multiple of 32 (stages of eight blocks, the
     // last one short: 896 = 3.5 stages, 576 = 2.25, a single block).
@@ -171,7 +173,7 @@ fn tensor_core_matmul_matches_cpu_and_the_warp_kernels() {
         Format::Q8_0,
     ];
     for (fi, format) in formats.into_iter().enumerate() {
-        let shapes = if format.block_len() == 32 {
+        let shapes: &[(usize, usize, usize)] = if format.block_len() == 32 {
             &shapes32
         } else {
             &shapes
@@ -191,11 +193,20 @@ fn tensor_core_matmul_matches_cpu_and_the_warp_kernels() {
                 .matmul(format, &w, n, &acts, &mut cpu)
                 .unwrap();
             d.set_mma(true);
-            let mma = d.matmul_host(format, &w, n, k, &x).unwrap();
+            let what = format!("{format} n {n} k {k} m {m}");
+            // The wide tiles (over 32 rows; Q4_K and the 32-element formats) and the 32-row ones.
+            for wide in [true, false] {
+                d.set_mmq_wide(wide);
+                let mma = d.matmul_host(format, &w, n, k, &x).unwrap();
+                assert_bits_eq(
+                    &format!("tensor-core matmul {what} (wide {wide})"),
+                    &mma,
+                    &cpu,
+                );
+            }
+            d.set_mmq_wide(true);
             d.set_mma(false);
             let warp = d.matmul_host(format, &w, n, k, &x).unwrap();
-            let what = format!("{format} n {n} k {k} m {m}");
-            assert_bits_eq(&format!("tensor-core matmul {what}"), &mma, &cpu);
             assert_bits_eq(&format!("warp matmul {what}"), &warp, &cpu);
         }
     }
@@ -538,9 +549,10 @@ fn prefill_with_tensor_cores_matches_cpu_model_bit_for_bit() {
         let sc = cpu.kv_new();
         let toks = tokens(120, 5);
         let lc = run_chunks(&mut cpu, sc, 0, &toks, 120);
-        for mma in [true, false] {
+        for (mma, wide) in [(true, true), (true, false), (false, false)] {
             let mut gpu = cuda_backend(&g);
             gpu.model().device().set_mma(mma);
+            gpu.model().device().set_mmq_wide(wide);
             assert_eq!(gpu.model().device().mma(), mma, "{tag}");
             let sg = gpu.kv_new();
             // 50 rows, then 70 (a whole and a ragged row tile, over a cached prefix).
@@ -548,7 +560,11 @@ fn prefill_with_tensor_cores_matches_cpu_model_bit_for_bit() {
             lg.extend(run_chunks(&mut gpu, sg, 50, &toks[50..], 70));
             for (p, (a, b)) in lg.iter().zip(&lc).enumerate() {
                 assert!(b.iter().all(|v| v.is_finite()), "{tag}: cpu logits finite");
-                assert_bits_eq(&format!("{tag} (tensor cores {mma}) position {p}"), a, b);
+                assert_bits_eq(
+                    &format!("{tag} (tensor cores {mma}, wide {wide}) position {p}"),
+                    a,
+                    b,
+                );
             }
         }
     }
