@@ -141,6 +141,7 @@ const KERNELS: &[&str] = &[
     "matmul_q6_k_m16",
     "mmq_q4_k",
     "mmqw_q4_k",
+    "mmqw_q6_k",
     "mmq_q6_k",
     "mmq_q4_0",
     "mmq_q4_1",
@@ -197,6 +198,7 @@ const KERNELS: &[&str] = &[
 /// limit is raised for them at load).
 const LARGE_SMEM: &[&str] = &[
     "attention_tiled",
+    "mmqw_q6_k",
     "matvec_q4_0",
     "matvec_q4_0_rows",
     "matvec_q4_1",

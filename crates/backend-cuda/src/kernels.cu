@@ -881,6 +881,9 @@ MMQ(mmq_q6_k, F_Q6_K)
 // matrices); a 144-byte row stride puts the eight columns and four k-quads of a fragment
 // load in 32 different banks.
 #define MMQW_M 64
+// CTAs per multiprocessor the wide kernels are compiled for (at most 170 registers a
+// thread): without it the driver's compiler gave mmqw_q4_k 218, two CTAs (8 warps) per SM.
+#define MMQW_CTAS 3
 #define MMQW_RS 144
 
 // m16n8k32 (.s8), C = 0: a0 = A[g][4t..4t+3], a1 = A[g+8][4t..], a2 = A[g][16+4t..],
@@ -1061,7 +1064,7 @@ __device__ __forceinline__ void mmqw_impl(const u8* w0, const u8* w1, const u8* 
         mmq_store(acc[mi], accg[mi], out, bias, n, m, r0 + wr + 16 * mi + g, col0 + wc + 2 * tq, mode);
 }
 
-extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmqw_q4_k(MATMUL_ARGS) {
+extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQW_CTAS) mmqw_q4_k(MATMUL_ARGS) {
     mmqw_impl<F_Q4_K>(w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, qs, ad, k, m, mode);
 }
 
@@ -1189,6 +1192,150 @@ __device__ __forceinline__ void mmq32_impl(const u8* w0, const u8* w1, const u8*
         }
     }
     mmq_store(acc, accg, out, bias, n, m, r0 + wr + g, col0 + wc + 2 * tq, mode);
+}
+
+// Wide tiles for Q6_K (mmqw6): 64 rows by 64 columns like mmqw_impl, with the sub-block
+// scales folded into the weights. Each weight w = sc_j * code (code in [-32, 31], sc_j a
+// signed byte) lies in [-4064, 4096] and splits exactly as hi * 64 + lo with hi in [-64, 64]
+// and lo in [0, 63], both signed bytes; so isum = sum_j sc_j * dot_j of the block is the
+// exact integer 64 * (A . Hi) + (A . Lo), two accumulating m16n8k32 chains over the block's
+// 256 values with no per-sub-block scaling in the loop. Then block_step in block order, as
+// every other kernel. Dynamic shared memory (MMQW6_SMEM bytes; the host raises the limit).
+#define MMQW6_RS 240  // a 210-byte block starting anywhere in a 16-byte line
+#define MMQW6_SMEM (MMQ_N * MMQW6_RS + MMQW_M * MMQ_LD + 2 * MMQ_N * MMQ_LD + 4 * (MMQ_N + MMQW_M + MMQ_N))
+
+// m16n8k32 (.s8) accumulating into c (fragments as mma_s8_32).
+__device__ __forceinline__ void mma_s8_32c(int* c, int a0, int a1, int a2, int a3, int b0, int b1) {
+#if __CUDA_ARCH__ < 800
+    __trap();
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQW_CTAS) mmqw_q6_k(MATMUL_ARGS) {
+    const int F = F_Q6_K;
+    const bool PAIR = (mode & 3) == 2;
+    const int BB = Meta<F>::BB;
+    extern __shared__ __align__(16) u8 smem[];
+    u8* s_raw = smem;
+    i8* s_a = (i8*)(s_raw + MMQ_N * MMQW6_RS);
+    i8* s_wh = s_a + MMQW_M * MMQ_LD;
+    i8* s_wl = s_wh + MMQ_N * MMQ_LD;
+    float* s_d = (float*)(s_wl + MMQ_N * MMQ_LD);
+    float* s_da = s_d + MMQ_N;
+    int* s_off = (int*)(s_da + MMQW_M);
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int g = lane >> 2, tq = lane & 3;
+    const u8* w;
+    float* out;
+    const float* bias;
+    int n;
+    int t = mmq_pick(PAIR, w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, &w, &out, &bias, &n);
+    int col0 = t * MMQ_N, r0 = blockIdx.y * MMQW_M;
+    int nb = k / 256;
+    int wr = (warp & 1) * 32, wc = (warp >> 1) * 32;
+    float acc[2][4][4], accg[2][4][4];
+    for (int h = 0; h < (PAIR ? 2 : 1); h++) {
+        const u8* wm = h ? w1 : w;
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[mi][a][i] = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            __syncthreads();  // every read of the previous block's shared data is done
+            for (int c = warp; c < MMQ_N; c += MMQ_THREADS / 32) {
+                int col = min(col0 + c, n - 1);
+                const u8* at = stage_issue(s_raw + c * MMQW6_RS, wm + ((size_t)col * nb + b) * BB, BB, lane);
+                if (lane == 0) s_off[c] = (int)(at - (s_raw + c * MMQW6_RS));
+            }
+            for (int i = tid; i < MMQW_M * 16; i += MMQ_THREADS) {
+                int r = i >> 4, ch = i & 15;
+                int row = min(r0 + r, m - 1);
+                cp_async16(s_a + r * MMQ_LD + ch * 16, qs + (size_t)row * k + (size_t)b * 256 + ch * 16);
+            }
+            if (tid < MMQW_M) s_da[tid] = ad[(size_t)min(r0 + tid, m - 1) * nb + b];
+            cp_async_wait_all();
+            __syncthreads();
+            // The scaled weights split into hi and lo bytes (four values per step).
+            for (int i = tid; i < MMQ_N * 64; i += MMQ_THREADS) {
+                int c = i >> 6, q = i & 63;
+                const u8* blk = s_raw + c * MMQW6_RS + s_off[c];
+                u32 v = __vsub4((u32)codes4<F>(blk, 4 * q), 0x20202020u);
+                int sc = (int)(i8)blk[192 + (q >> 2)];
+                u32 hi = 0, lo = 0;
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    int wv = (int)(i8)(u8)(v >> (8 * u)) * sc;
+                    hi |= ((u32)(wv >> 6) & 0xFFu) << (8 * u);
+                    lo |= ((u32)wv & 0x3Fu) << (8 * u);
+                }
+                *(u32*)(s_wh + c * MMQ_LD + 4 * q) = hi;
+                *(u32*)(s_wl + c * MMQ_LD + 4 * q) = lo;
+            }
+            if (tid < MMQ_N) s_d[tid] = block_d<F>(s_raw + tid * MMQW6_RS + s_off[tid]);
+            __syncthreads();
+            int dh[2][4][4], dl[2][4][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) { dh[mi][a][i] = 0; dl[mi][a][i] = 0; }
+#pragma unroll 2
+            for (int j = 0; j < 8; j++) {
+                int af[2][4];
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    const i8* ra = s_a + (wr + 16 * mi + g) * MMQ_LD + 32 * j + 4 * tq;
+                    af[mi][0] = *(const int*)ra;
+                    af[mi][1] = *(const int*)(ra + 8 * MMQ_LD);
+                    af[mi][2] = *(const int*)(ra + 16);
+                    af[mi][3] = *(const int*)(ra + 8 * MMQ_LD + 16);
+                }
+#pragma unroll
+                for (int a = 0; a < 4; a++) {
+                    int o = (wc + 8 * a + g) * MMQ_LD + 32 * j + 4 * tq;
+                    int h0 = *(const int*)(s_wh + o), h1 = *(const int*)(s_wh + o + 16);
+                    int l0 = *(const int*)(s_wl + o), l1 = *(const int*)(s_wl + o + 16);
+#pragma unroll
+                    for (int mi = 0; mi < 2; mi++) {
+                        mma_s8_32c(dh[mi][a], af[mi][0], af[mi][1], af[mi][2], af[mi][3], h0, h1);
+                        mma_s8_32c(dl[mi][a], af[mi][0], af[mi][1], af[mi][2], af[mi][3], l0, l1);
+                    }
+                }
+            }
+            // The block's float step, in block order.
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int c = wc + 8 * a + 2 * tq + (i & 1);
+                        int r = wr + 16 * mi + g + 8 * (i >> 1);
+                        acc[mi][a][i] = block_step<F>(acc[mi][a][i], s_d[c], 0.0f, s_da[r],
+                                                      dh[mi][a][i] * 64 + dl[mi][a][i], 0);
+                    }
+        }
+        if (PAIR && h == 0) {
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) accg[mi][a][i] = acc[mi][a][i];
+        }
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+        mmq_store(acc[mi], accg[mi], out, bias, n, m, r0 + wr + 16 * mi + g, col0 + wc + 2 * tq, mode);
 }
 
 // Wide tiles for the 32-element block formats (mmqw32): mmq32_impl's stages and arithmetic
@@ -1336,7 +1483,7 @@ MMQ32(mmq_q5_0, F_Q5_0)
 MMQ32(mmq_q5_1, F_Q5_1)
 MMQ32(mmq_q8_0, F_Q8_0)
 #define MMQW32(name, F) \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) name(MATMUL_ARGS) { \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQW_CTAS) name(MATMUL_ARGS) { \
         mmqw32_impl<F>(w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, qs, ad, k, m, mode); \
     }
 MMQW32(mmqw_q4_0, F_Q4_0)

@@ -177,6 +177,9 @@ fn block_geometry(f: Format) -> (usize, usize) {
 const MMQ_M: usize = 32;
 /// Rows per wide Q4_K tensor-core tile (`MMQW_M` in kernels.cu).
 const MMQW_M: usize = 64;
+/// Dynamic shared memory of the wide Q6_K kernel (`MMQW6_SMEM` in kernels.cu): the staged
+/// raw blocks, the rows' codes, the hi and lo weight bytes, scales and offsets.
+const MMQW6_SMEM: u32 = 64 * 240 + 64 * 272 + 2 * 64 * 272 + 4 * (64 + 64 + 64);
 /// Columns per tensor-core matmul tile (`MMQ_N` in kernels.cu).
 const MMQ_N: usize = 64;
 /// Threads per tensor-core matmul CTA (`MMQ_THREADS` in kernels.cu).
@@ -203,6 +206,7 @@ fn mmq_kernel(f: Format) -> Option<&'static str> {
 fn mmqw_kernel(f: Format) -> Option<&'static str> {
     match f {
         Format::Q4_K => Some("mmqw_q4_k"),
+        Format::Q6_K => Some("mmqw_q6_k"),
         Format::Q4_0 => Some("mmqw_q4_0"),
         Format::Q4_1 => Some("mmqw_q4_1"),
         Format::Q5_0 => Some("mmqw_q5_0"),
@@ -481,16 +485,21 @@ impl Device {
                 Some(wk) => (wk, MMQW_M),
                 None => (kernel, MMQ_M),
             };
-            return self.launch(
-                kernel,
-                (
-                    u32::try_from(tiles).unwrap_or(u32::MAX),
-                    u32::try_from(m.div_ceil(rows)).unwrap_or(u32::MAX),
-                    1,
-                ),
-                (MMQ_THREADS, 1, 1),
-                &args(0, 0)?,
+            let grid = (
+                u32::try_from(tiles).unwrap_or(u32::MAX),
+                u32::try_from(m.div_ceil(rows)).unwrap_or(u32::MAX),
+                1,
             );
+            if kernel == "mmqw_q6_k" {
+                return self.launch_smem(
+                    kernel,
+                    grid,
+                    (MMQ_THREADS, 1, 1),
+                    MMQW6_SMEM,
+                    &args(0, 0)?,
+                );
+            }
+            return self.launch(kernel, grid, (MMQ_THREADS, 1, 1), &args(0, 0)?);
         }
         let kernel = matmul_kernel(w.format)?;
         // Row tiling by batch size: 1, 4 or 16 rows per warp (the same arithmetic per row).

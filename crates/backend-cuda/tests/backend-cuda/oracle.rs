@@ -194,7 +194,7 @@ fn tensor_core_matmul_matches_cpu_and_the_warp_kernels() {
                 .unwrap();
             d.set_mma(true);
             let what = format!("{format} n {n} k {k} m {m}");
-            // The wide tiles (over 32 rows; Q4_K and the 32-element formats) and the 32-row ones.
+            // The wide tiles (over 32 rows; Q4_K, Q6_K and the 32-element formats) and the 32-row ones.
             for wide in [true, false] {
                 d.set_mmq_wide(wide);
                 let mma = d.matmul_host(format, &w, n, k, &x).unwrap();
