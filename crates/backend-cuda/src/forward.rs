@@ -653,7 +653,7 @@ impl std::fmt::Debug for CudaBackend {
 }
 
 fn be(e: CudaError) -> BackendError {
-    BackendError::Other(e.to_string())
+    BackendError::device(e)
 }
 
 impl CudaBackend {
@@ -718,9 +718,7 @@ impl CudaBackend {
     }
 
     fn kv_ref(&self) -> Result<&DevKv, BackendError> {
-        self.kv
-            .as_ref()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))
+        self.kv.as_ref().ok_or(BackendError::NoKvPool)
     }
 
     fn truncate_seq(kv: &mut DevKv, seq: &mut Seq, len: usize) {
@@ -818,7 +816,7 @@ impl CudaBackend {
         for (&slot, &(first, _)) in order.iter().zip(spans) {
             let len = self.seq(slot)?.len;
             if first > len {
-                return Err(BackendError::Other(format!(
+                return Err(BackendError::Invalid(format!(
                     "sequence {}: first row is at position {first} but only positions 0..{len} \
                      are cached",
                     slot.0
@@ -826,10 +824,7 @@ impl CudaBackend {
             }
         }
         let dev = &self.model.dev;
-        let kv = self
-            .kv
-            .as_mut()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let kv = self.kv.as_mut().ok_or(BackendError::NoKvPool)?;
         for (&slot, &(first, last)) in order.iter().zip(spans) {
             let seq = self.seqs[slot.0 as usize]
                 .as_mut()
@@ -871,7 +866,7 @@ impl CudaBackend {
         let s = self
             .scratch
             .as_mut()
-            .ok_or_else(|| BackendError::Other("scratch".into()))?;
+            .ok_or_else(|| BackendError::Internal("scratch".into()))?;
         let cap_rows = s.rows;
         let tables_at = 4 * cap_rows + 1;
         if s.meta.len() < tables_at + tables.len() {
@@ -896,12 +891,12 @@ impl CudaBackend {
         let embed = model
             .gguf
             .tensor("token_embd.weight")
-            .ok_or_else(|| BackendError::Other("token_embd.weight".into()))?;
+            .ok_or_else(|| BackendError::Internal("token_embd.weight".into()))?;
         let data = model.gguf.tensor_data(embed);
         let rb = model
             .embed_format
             .row_bytes(e)
-            .map_err(|e| BackendError::Other(e.to_string()))?;
+            .map_err(BackendError::model)?;
         let mut xh = vec![0.0f32; m * e];
         for (i, r) in rows.iter().enumerate() {
             let t = r.token as usize;
@@ -910,7 +905,7 @@ impl CudaBackend {
                 &data[t * rb..(t + 1) * rb],
                 &mut xh[i * e..(i + 1) * e],
             )
-            .map_err(|e| BackendError::Other(e.to_string()))?;
+            .map_err(BackendError::model)?;
         }
         dev.write(&xh, &mut s.x).map_err(be)?;
         let nl = logit_rows.len();
@@ -966,7 +961,7 @@ impl CudaBackend {
         let nl = self.run_forward(rows, Tail::Argmax)?;
         let dev = &self.model.dev;
         let Some(s) = self.scratch.as_ref() else {
-            return Err(BackendError::Other("no scratch after a forward".into()));
+            return Err(BackendError::Internal("no scratch after a forward".into()));
         };
         if nl == 0 {
             dev.sync().map_err(be)?;
@@ -1471,7 +1466,7 @@ impl ForwardBackend for CudaBackend {
         let cfg = &self.model.cfg;
         let bsz = DEFAULT_BLOCK_SIZE;
         if !ATT_BLOCK_SIZES.contains(&bsz) {
-            return Err(BackendError::Other(format!(
+            return Err(BackendError::Unsupported(format!(
                 "KV block size {bsz} outside the CUDA attention kernel's {ATT_BLOCK_SIZES:?}"
             )));
         }
@@ -1533,10 +1528,7 @@ impl ForwardBackend for CudaBackend {
 
     fn kv_fork(&mut self, src: KvSlot, len: usize) -> Result<KvSlot, BackendError> {
         let mut seq = self.seq(src)?.clone();
-        let kv = self
-            .kv
-            .as_mut()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let kv = self.kv.as_mut().ok_or(BackendError::NoKvPool)?;
         for &b in &seq.blocks {
             kv.alloc.retain(b);
         }
@@ -1557,10 +1549,7 @@ impl ForwardBackend for CudaBackend {
             return Err(BackendError::OutOfBlocks { needed, free });
         }
         self.seq(slot)?;
-        let kv = self
-            .kv
-            .as_mut()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let kv = self.kv.as_mut().ok_or(BackendError::NoKvPool)?;
         let seq = self.seqs[slot.0 as usize]
             .as_mut()
             .ok_or(BackendError::UnknownSlot(slot.0))?;
@@ -1632,7 +1621,7 @@ impl ForwardBackend for CudaBackend {
         let dev = &self.model.dev;
         logits.clear();
         let Some(s) = self.scratch.as_ref() else {
-            return Err(BackendError::Other("no scratch after a forward".into()));
+            return Err(BackendError::Internal("no scratch after a forward".into()));
         };
         if nl == 0 {
             return dev.sync().map_err(be);
@@ -1655,7 +1644,7 @@ impl ForwardBackend for CudaBackend {
         let nl = self.run_forward(rows, Tail::Summary)?;
         let dev = &self.model.dev;
         let Some(s) = self.scratch.as_ref() else {
-            return Err(BackendError::Other("no scratch after a forward".into()));
+            return Err(BackendError::Internal("no scratch after a forward".into()));
         };
         if nl == 0 {
             return dev.sync().map_err(be);
@@ -1672,7 +1661,7 @@ impl ForwardBackend for CudaBackend {
         let s = match self.scratch.as_ref() {
             Some(s) if i < self.summarized => s,
             _ => {
-                return Err(BackendError::Other(format!(
+                return Err(BackendError::Invalid(format!(
                     "no logit row {i} in the last forward ({} rows)",
                     self.summarized
                 )));

@@ -438,7 +438,8 @@ impl<'t> Loop<'t> {
                 Ok(()) => {}
                 Err(e) => {
                     self.backend.kv_release(slot);
-                    if !matches!(e, BackendError::OutOfBlocks { .. }) {
+                    // Only a block that does not fit is the file's fault.
+                    if matches!(e, BackendError::BadKvBlock(_)) {
                         disk.reject(&h, &e.to_string());
                     }
                     break;
