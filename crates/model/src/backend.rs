@@ -101,7 +101,7 @@ pub trait ForwardBackend: Send {
     /// The largest context the backend supports (positions `0..max_context`).
     fn max_context(&self) -> usize;
     /// (Re)creates the KV pool with room for `max_tokens` token slots (whole blocks);
-    /// every slot is dropped. Called once by [`Engine::start`].
+    /// every slot is dropped. Called once by the engine's `Engine::start`.
     fn init_kv(&mut self, max_tokens: usize) -> Result<(), BackendError>;
     /// Tokens per KV block.
     fn block_size(&self) -> usize;
