@@ -4,7 +4,8 @@
 //!   [`Message`]s, byte for byte as `transformers`' `apply_chat_template` does.
 //! - [`ToolCallFormat`] describes one model family's tool-call envelope (Qwen/Hermes
 //!   `<tool_call>`, DeepSeek V4 DSML `<｜DSML｜tool_calls>`): parsing whole outputs, parsing
-//!   streams, rendering a call, and (DSML) the grammar of the calls.
+//!   streams, rendering a call, and the layout facts (markers, the DSML parameter layout)
+//!   from which the server builds the grammar of the calls; this crate writes no grammar.
 //! - [`ChatTemplate::deepseek_v4`] renders DeepSeek V4's chat encoding, which DeepSeek
 //!   ships as Python rather than Jinja ([`deepseek_v4`]).
 //!
@@ -22,9 +23,8 @@ pub use error::ChatError;
 pub use message::{ContentPart, FunctionCall, Message, MessageContent, ToolCall};
 pub use template::ChatTemplate;
 pub use tool_call::{
-    DSML_TOKEN, DsmlFormat, HermesFormat, ParsedOutput, ParsedToolCall, ToolCallError,
-    ToolCallFormat, ToolGrammarError, ToolStreamEvent, ToolStreamParser, detect_format,
-    dsml_calls_lark,
+    CallLayout, DSML_TOKEN, DsmlFormat, HermesFormat, ParsedOutput, ParsedToolCall, ToolCallError,
+    ToolCallFormat, ToolStreamEvent, ToolStreamParser, detect_format,
 };
 
 /// Python's `json.dumps(value, ensure_ascii=False)` (HF's `tojson` with default options):

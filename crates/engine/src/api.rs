@@ -17,7 +17,7 @@ pub use sampling::{ConstraintError, TokenConstraint};
 pub use sampling::{FinishReason, SamplingParams, StopCause, TokenMask};
 pub use spec::SpecStats;
 
-use crate::step::{self, Shared};
+use crate::submit::{self, Shared};
 
 // ---------------------------------------------------------------------------------------
 // Configuration
@@ -500,7 +500,7 @@ impl Engine {
         text: Arc<text::Tokenizer>,
         cfg: EngineConfig,
     ) -> Result<Engine, EngineError> {
-        step::start(backend, text, cfg)
+        submit::start(backend, text, cfg)
     }
 
     /// Queues a request. Checked at once: empty prompt, token ids outside the vocabulary,
@@ -508,7 +508,7 @@ impl Engine {
     /// sampling parameters or stop strings ([`SubmitError::Invalid`]), and a full queue
     /// ([`SubmitError::Busy`]).
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle, SubmitError> {
-        step::submit(&self.shared, req)
+        submit::submit(&self.shared, req)
     }
 
     /// Queues a group of requests (the `n` choices of one API call) all or none: each is
@@ -518,7 +518,7 @@ impl Engine {
         &self,
         reqs: Vec<GenerateRequest>,
     ) -> Result<Vec<RequestHandle>, SubmitError> {
-        step::submit_group(&self.shared, reqs)
+        submit::submit_group(&self.shared, reqs)
     }
 
     /// A snapshot of the counters.

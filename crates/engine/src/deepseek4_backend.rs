@@ -45,7 +45,7 @@ pub struct Deepseek4Backend {
 }
 
 fn model_err(e: ModelError) -> BackendError {
-    BackendError::Other(e.to_string())
+    BackendError::model(e)
 }
 
 impl Deepseek4Backend {
@@ -181,7 +181,7 @@ impl ForwardBackend for Deepseek4Backend {
 
     fn kv_fork(&mut self, src: KvSlot, _len: usize) -> Result<KvSlot, BackendError> {
         self.slot(src)?;
-        Err(BackendError::Other(
+        Err(BackendError::Unsupported(
             "deepseek4 sequences do not share state (no prefix reuse); the prompt is computed"
                 .into(),
         ))
@@ -199,7 +199,7 @@ impl ForwardBackend for Deepseek4Backend {
             return Err(BackendError::OutOfBlocks { needed, free });
         }
         if from > s.state.len() {
-            return Err(BackendError::Other(format!(
+            return Err(BackendError::Invalid(format!(
                 "cannot prepare positions {from}..{to}: only 0..{} are computed",
                 s.state.len()
             )));
@@ -244,7 +244,7 @@ impl ForwardBackend for Deepseek4Backend {
         for r in rows {
             let reserved = self.slot(r.slot)?.reserved;
             if r.pos >= reserved {
-                return Err(BackendError::Other(format!(
+                return Err(BackendError::Invalid(format!(
                     "row at position {} is outside the prepared space 0..{reserved}",
                     r.pos
                 )));
@@ -264,7 +264,7 @@ impl ForwardBackend for Deepseek4Backend {
                 .forward(&mut self.scratch, &mut refs, &batch, logits)
                 .map_err(model_err)
         } else {
-            Err(BackendError::Other("a slot appears twice".into()))
+            Err(BackendError::Internal("a slot appears twice".into()))
         };
         for (slot, s) in order.into_iter().zip(taken) {
             self.slots[slot.0 as usize] = Some(s);

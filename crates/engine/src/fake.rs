@@ -163,10 +163,7 @@ impl ForwardBackend for FakeBackend {
     }
 
     fn kv_fork(&mut self, src: KvSlot, len: usize) -> Result<KvSlot, BackendError> {
-        let kv = self
-            .kv
-            .as_mut()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let kv = self.kv.as_mut().ok_or(BackendError::NoKvPool)?;
         self.slots.fork(kv, src, len)
     }
 
@@ -175,10 +172,7 @@ impl ForwardBackend for FakeBackend {
     }
 
     fn kv_prepare(&mut self, slot: KvSlot, from: usize, to: usize) -> Result<(), BackendError> {
-        let kv = self
-            .kv
-            .as_mut()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let kv = self.kv.as_mut().ok_or(BackendError::NoKvPool)?;
         self.slots.prepare(kv, slot, from, to)
     }
 
@@ -229,10 +223,9 @@ impl ForwardBackend for FakeBackend {
     fn logit_row(&mut self, i: usize, out: &mut Vec<f32>) -> Result<(), BackendError> {
         out.clear();
         let n = self.n_vocab;
-        let row = self
-            .kept
-            .get(i * n..(i + 1) * n)
-            .ok_or_else(|| BackendError::Other(format!("no logit row {i} in the last forward")))?;
+        let row = self.kept.get(i * n..(i + 1) * n).ok_or_else(|| {
+            BackendError::Invalid(format!("no logit row {i} in the last forward"))
+        })?;
         out.extend_from_slice(row);
         self.stats.rows_fetched.fetch_add(1, Ordering::SeqCst);
         Ok(())
@@ -243,7 +236,7 @@ impl ForwardBackend for FakeBackend {
         if let Some(bad) = self.fail_on_token
             && rows.iter().any(|r| r.token == bad)
         {
-            return Err(BackendError::Other(format!(
+            return Err(BackendError::Internal(format!(
                 "injected fault on token {bad}"
             )));
         }
@@ -251,14 +244,11 @@ impl ForwardBackend for FakeBackend {
         // consecutive and start at most at the cached length; cut back, reserve,
         // copy-on-write, then write every row before any row reads.
         let batch = model::Batch::from_rows(rows, self.n_vocab, self.max_context)?;
-        let kv = self
-            .kv
-            .as_mut()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let kv = self.kv.as_mut().ok_or(BackendError::NoKvPool)?;
         for (&slot, &(first, last)) in batch.slots.iter().zip(&batch.spans) {
             let seq = self.slots.get_mut(slot)?;
             if first > seq.len() {
-                return Err(BackendError::Other(format!(
+                return Err(BackendError::Invalid(format!(
                     "slot {}: first row at {first} but only {} positions cached",
                     slot.0,
                     seq.len()
@@ -281,7 +271,7 @@ impl ForwardBackend for FakeBackend {
             for p in 0..=r.pos {
                 kv.read(0, seq, p, &mut k, &mut v).map_err(map_kv_err)?;
                 if v[0] != p as f32 {
-                    return Err(BackendError::Other(format!(
+                    return Err(BackendError::Internal(format!(
                         "KV of position {p} holds position {}",
                         v[0]
                     )));

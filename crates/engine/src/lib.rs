@@ -35,7 +35,8 @@
 //!
 //! Layout: [`api`] (every public type: the contract), [`scheduler`] (pure planning over
 //! plain numbers), [`prefix`] (the block-hash prefix index), [`disk`] (its disk tier),
-//! `step` (the loop), `fake`
+//! `submit` (starting the engine, the shared inbox, queueing requests), `step` (the
+//! loop; `step::speculate` its speculation path), `fake`
 //! and `model_backend` (the paged-KV backends), `deepseek4_backend` (DeepSeek V4's
 //! per-sequence state), `slots` (KV slot bookkeeping shared by the first two).
 
@@ -49,6 +50,7 @@ pub mod prefix;
 pub mod scheduler;
 mod slots;
 mod step;
+mod submit;
 
 pub use api::{
     BackendError, Completion, ConstraintError, Engine, EngineConfig, EngineError, EngineMetrics,

@@ -54,7 +54,7 @@ fn model_err(e: ModelError) -> BackendError {
         ModelError::Backend(backend_cpu::Error::OutOfBlocks { needed, free, .. }) => {
             BackendError::OutOfBlocks { needed, free }
         }
-        other => BackendError::Other(other.to_string()),
+        other => BackendError::model(other),
     }
 }
 
@@ -77,9 +77,7 @@ impl ModelBackend {
     }
 
     fn kv_mut(&mut self) -> Result<&mut KvCache, BackendError> {
-        self.kv
-            .as_mut()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))
+        self.kv.as_mut().ok_or(BackendError::NoKvPool)
     }
 
     /// Every block pool of the KV cache, by layer group (empty before
@@ -222,10 +220,7 @@ impl ForwardBackend for ModelBackend {
     }
 
     fn kv_fork(&mut self, src: KvSlot, len: usize) -> Result<KvSlot, BackendError> {
-        let kv = self
-            .kv
-            .as_mut()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let kv = self.kv.as_mut().ok_or(BackendError::NoKvPool)?;
         let slot = self.slots.fork(kv, src, len)?;
         // The fork's next query sits at or after its last position: keep only that window.
         let seq = self.slots.get_mut(slot)?;
@@ -233,7 +228,7 @@ impl ForwardBackend for ModelBackend {
         kv.release_outside_window(seq, last);
         if !window_intact(kv, seq, last) {
             self.slots.release(kv, slot);
-            return Err(BackendError::Other(format!(
+            return Err(BackendError::Unsupported(format!(
                 "cannot share positions 0..{len}: blocks of their sliding window were \
                  already released"
             )));
@@ -246,10 +241,7 @@ impl ForwardBackend for ModelBackend {
     }
 
     fn kv_prepare(&mut self, slot: KvSlot, from: usize, to: usize) -> Result<(), BackendError> {
-        let kv = self
-            .kv
-            .as_mut()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let kv = self.kv.as_mut().ok_or(BackendError::NoKvPool)?;
         let seq = self.slots.get_mut(slot)?;
         let needed = blocks_needed(kv, seq, from, to);
         let free = kv
@@ -311,24 +303,25 @@ impl ForwardBackend for ModelBackend {
         block: usize,
         out: &mut Vec<u8>,
     ) -> Result<(), BackendError> {
-        let kv = self
-            .kv
-            .as_ref()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let kv = self.kv.as_ref().ok_or(BackendError::NoKvPool)?;
         kv.export_block(self.slots.get(slot)?, block, out)
             .map_err(map_kv_err)
     }
 
     fn kv_restore_block(&mut self, slot: KvSlot, data: &[u8]) -> Result<(), BackendError> {
-        let kv = self
-            .kv
-            .as_mut()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let kv = self.kv.as_mut().ok_or(BackendError::NoKvPool)?;
+        if data.len() != kv.block_bytes() {
+            return Err(BackendError::BadKvBlock(format!(
+                "imported KV block bytes: expected {} elements, got {}",
+                kv.block_bytes(),
+                data.len()
+            )));
+        }
         let bs = kv.config().block_size.max(1);
         let seq = self.slots.get_mut(slot)?;
         let len = seq.len();
         if len % bs != 0 {
-            return Err(BackendError::Other(format!(
+            return Err(BackendError::Invalid(format!(
                 "a restored block must start at a block boundary, the sequence has {len} \
                  positions"
             )));

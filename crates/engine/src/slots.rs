@@ -17,7 +17,7 @@ pub(crate) fn map_kv_err(e: backend_cpu::Error) -> BackendError {
         backend_cpu::Error::OutOfBlocks { needed, free, .. } => {
             BackendError::OutOfBlocks { needed, free }
         }
-        other => BackendError::Other(other.to_string()),
+        other => BackendError::model(other),
     }
 }
 

@@ -1,323 +1,34 @@
-//! The step loop: one thread owns the backend; each step it takes new requests, reaps
-//! cancellations, asks the [scheduler](crate::scheduler) for a plan, carries it out on the
-//! KV pool (preempt, admit with prefix reuse, evict, prepare), runs **one** batched forward
-//! over the rows of every scheduled sequence, and chooses the next token of each sequence
-//! whose catch-up is complete, with the sampling crate's one rule.
+//! The step loop: one thread owns the backend; each step it takes new requests (from
+//! [`submit`](crate::submit)'s inbox), reaps cancellations, asks the
+//! [scheduler](crate::scheduler) for a plan, carries it out on the KV pool (preempt, admit
+//! with prefix reuse, evict, prepare), runs **one** batched forward over the rows of every
+//! scheduled sequence, and chooses the next token of each sequence whose catch-up is
+//! complete, with the sampling crate's one rule.
 //!
-//! Speculation: before planning, each speculating sequence in the decode phase asks its
-//! drafter for a proposal ([`Loop::propose_drafts`], masked by a fork of its constraint);
-//! the drafts become the sequence's `extra_rows`, and [`Loop::rows_for`] puts the verify
-//! block `[t, d1..dk]` into the step's one batched forward. [`Loop::verify_at`] walks the
-//! rows with the verified constraint through the same [`Loop::choose_at`] plain decoding
-//! uses (so events, stops and usage are exactly plain decoding's), accepts while the
-//! target's choice equals the draft, and rolls the KV back with
-//! `ForwardBackend::kv_truncate` to the committed length.
+//! Speculation (drafting before the plan, the verify block in the forward, acceptance after
+//! it) is [`speculate`]: its rows go through the same [`Loop::choose_at`] plain decoding
+//! uses.
+
+mod speculate;
 
 use crate::api::{
-    BackendError, EngineConfig, EngineError, EngineMetrics, Event, FinishReason, ForwardBackend,
-    ForwardRow, GenerateRequest, KvSlot, RequestHandle, StopCause, SubmitError, Timings,
-    TokenConstraint, TokenMask, Usage,
+    BackendError, EngineConfig, EngineMetrics, Event, FinishReason, ForwardBackend, ForwardRow,
+    KvSlot, StopCause, Timings, TokenConstraint, TokenMask, Usage,
 };
-use crate::disk::{ChainBlock, DiskCacheState, DiskShared, DiskTier};
+use crate::disk::{ChainBlock, DiskTier};
 use crate::prefix::{BlockHash, PrefixIndex, chain_hash};
 use crate::scheduler::{KvBudget, RunningSeq, SchedLimits, StepPlan, WaitingSeq, plan_step};
+use crate::submit::{Limits, Pending, Shared};
 use sampling::{ChoiceContext, Sampler, SamplingParams, StopChecker, StopStep};
 use sha2::{Digest, Sha256};
-use spec::{
-    CostModel, DraftContext, Drafter, DrafterKind, Mirror, PolicyConfig, SeqPolicy, SpecStats,
-};
+use spec::CostModel;
+use speculate::{SeqSpec, top2_margin};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
 use std::time::Instant;
 use text::{DecodeOptions, StreamDecoder, Tokenizer};
-
-/// Fixed facts the submitting side checks requests against.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Limits {
-    pub(crate) context_len: usize,
-    pub(crate) n_vocab: usize,
-    pub(crate) block_size: usize,
-    pub(crate) total_blocks: usize,
-    pub(crate) queue_capacity: usize,
-}
-
-/// A submitted request on its way to the loop.
-struct Pending {
-    id: u64,
-    req: GenerateRequest,
-    stop: StopChecker,
-    events: Sender<Event>,
-    cancelled: Arc<AtomicBool>,
-    submitted: Instant,
-}
-
-#[derive(Default)]
-struct Inbox {
-    incoming: VecDeque<Pending>,
-    /// Requests submitted and not yet admitted (incoming + waiting in the loop).
-    queued: usize,
-    shutdown: bool,
-    /// The loop has ended: no more submissions.
-    closed: bool,
-}
-
-/// State shared by the engine handle, request handles and the loop.
-pub(crate) struct Shared {
-    pub(crate) limits: Limits,
-    inbox: Mutex<Inbox>,
-    cv: Condvar,
-    metrics: Mutex<EngineMetrics>,
-    next_id: AtomicU64,
-    /// The disk tier's live counters (when it is on).
-    disk: Option<Arc<DiskShared>>,
-    disk_state: DiskCacheState,
-}
-
-impl std::fmt::Debug for Shared {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Shared")
-            .field("limits", &self.limits)
-            .finish()
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl Shared {
-    /// Wakes the loop (a cancellation or new work).
-    pub(crate) fn wake(&self) {
-        let _g = lock(&self.inbox);
-        self.cv.notify_all();
-    }
-
-    pub(crate) fn request_shutdown(&self) {
-        let mut g = lock(&self.inbox);
-        g.shutdown = true;
-        self.cv.notify_all();
-    }
-
-    pub(crate) fn metrics(&self) -> EngineMetrics {
-        let mut m = lock(&self.metrics).clone();
-        m.queue_depth = lock(&self.inbox).queued;
-        if let Some(d) = &self.disk {
-            m.disk = d.metrics();
-        }
-        m
-    }
-
-    pub(crate) fn disk_state(&self) -> &DiskCacheState {
-        &self.disk_state
-    }
-}
-
-pub(crate) fn start(
-    mut backend: Box<dyn ForwardBackend>,
-    text: Arc<Tokenizer>,
-    cfg: EngineConfig,
-) -> Result<crate::Engine, EngineError> {
-    for (name, v) in [
-        ("max_seqs", cfg.max_seqs),
-        ("kv_tokens", cfg.kv_tokens),
-        ("step_token_budget", cfg.step_token_budget),
-        ("prefill_chunk", cfg.prefill_chunk),
-        ("queue_capacity", cfg.queue_capacity),
-    ] {
-        if v == 0 {
-            return Err(EngineError::Config(format!("{name} must be at least 1")));
-        }
-    }
-    let max_ctx = backend.max_context();
-    let context_len = match cfg.context_len {
-        0 => max_ctx,
-        n if n > max_ctx => {
-            return Err(EngineError::Config(format!(
-                "context_len {n} exceeds the backend's maximum context of {max_ctx} tokens"
-            )));
-        }
-        n => n,
-    };
-    backend.init_kv(cfg.kv_tokens)?;
-    let (disk, disk_state) = open_disk(&cfg, backend.as_ref());
-    let limits = Limits {
-        context_len,
-        n_vocab: backend.n_vocab(),
-        block_size: backend.block_size().max(1),
-        total_blocks: backend.total_blocks(),
-        queue_capacity: cfg.queue_capacity,
-    };
-    let shared = Arc::new(Shared {
-        limits,
-        inbox: Mutex::new(Inbox::default()),
-        cv: Condvar::new(),
-        metrics: Mutex::new(EngineMetrics {
-            kv_total_blocks: limits.total_blocks,
-            kv_free_blocks: backend.free_blocks(),
-            ..EngineMetrics::default()
-        }),
-        next_id: AtomicU64::new(1),
-        disk: disk.as_ref().map(DiskTier::shared),
-        disk_state,
-    });
-    let loop_shared = shared.clone();
-    let thread = std::thread::Builder::new()
-        .name("lockstep-engine".into())
-        .spawn(move || run(loop_shared, backend, text, cfg, disk))
-        .map_err(|e| EngineError::Thread(e.to_string()))?;
-    Ok(crate::Engine {
-        shared,
-        thread: Some(thread),
-    })
-}
-
-/// The disk tier `cfg` asks for, when it can work with `backend`, and what to report.
-fn open_disk(
-    cfg: &EngineConfig,
-    backend: &dyn ForwardBackend,
-) -> (Option<DiskTier>, DiskCacheState) {
-    let Some(dc) = &cfg.disk_cache else {
-        return (None, DiskCacheState::Off);
-    };
-    let why = if !cfg.prefix_cache {
-        Some("the prefix cache is off".to_string())
-    } else if !backend.shares_prefixes() {
-        Some(
-            "this model's sequences share no prefixes (DeepSeek V4 keeps compressor and \
-             indexer state that is not saved at block boundaries), so nothing is cached"
-                .to_string(),
-        )
-    } else {
-        None
-    };
-    if let Some(why) = why {
-        return (None, DiskCacheState::Unavailable(why));
-    }
-    let Some(layout) = backend.kv_block_format() else {
-        return (
-            None,
-            DiskCacheState::Unavailable(
-                "this backend's KV cache cannot be saved and restored".into(),
-            ),
-        );
-    };
-    match DiskTier::open(dc, &layout, backend.kv_block_bytes()) {
-        Ok(tier) => (
-            Some(tier),
-            DiskCacheState::On {
-                dir: dc.dir.clone(),
-                max_bytes: dc.max_bytes,
-            },
-        ),
-        Err(e) => (
-            None,
-            DiskCacheState::Unavailable(format!("opening {}: {e}", dc.dir.display())),
-        ),
-    }
-}
-
-pub(crate) fn submit(
-    shared: &Arc<Shared>,
-    req: GenerateRequest,
-) -> Result<RequestHandle, SubmitError> {
-    let mut handles = submit_group(shared, vec![req])?;
-    Ok(handles.remove(0))
-}
-
-/// Checks one request before it is queued; returns its stop-string matcher.
-fn check(l: &Limits, req: &GenerateRequest) -> Result<StopChecker, SubmitError> {
-    if req.prompt.is_empty() {
-        return Err(SubmitError::Invalid("the prompt is empty".into()));
-    }
-    if let Some((i, &t)) = req
-        .prompt
-        .iter()
-        .enumerate()
-        .find(|&(_, &t)| t as usize >= l.n_vocab)
-    {
-        return Err(SubmitError::Invalid(format!(
-            "prompt token {i} has id {t}, outside the vocabulary of {} ids",
-            l.n_vocab
-        )));
-    }
-    if req.prompt.len() >= l.context_len {
-        return Err(SubmitError::Invalid(format!(
-            "the prompt has {} tokens but the context is {} tokens: no room to generate \
-             (the prompt must be shorter than the context)",
-            req.prompt.len(),
-            l.context_len
-        )));
-    }
-    let blocks = (req.prompt.len() + 1).div_ceil(l.block_size);
-    if blocks > l.total_blocks {
-        return Err(SubmitError::Invalid(format!(
-            "the prompt has {} tokens but the KV pool holds {} tokens ({} blocks of {})",
-            req.prompt.len(),
-            l.total_blocks * l.block_size,
-            l.total_blocks,
-            l.block_size
-        )));
-    }
-    req.sampling
-        .validate()
-        .map_err(|e| SubmitError::Invalid(e.to_string()))?;
-    StopChecker::new(req.stop_strings.iter().cloned())
-        .map_err(|e| SubmitError::Invalid(e.to_string()))
-}
-
-/// Queues every request of `reqs` or none of them: each is checked, then the queue's
-/// room is checked for all of them together under one lock, so a refused group leaves
-/// nothing behind.
-pub(crate) fn submit_group(
-    shared: &Arc<Shared>,
-    reqs: Vec<GenerateRequest>,
-) -> Result<Vec<RequestHandle>, SubmitError> {
-    let l = shared.limits;
-    if reqs.is_empty() {
-        return Ok(Vec::new());
-    }
-    let stops = reqs
-        .iter()
-        .map(|r| check(&l, r))
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut inbox = lock(&shared.inbox);
-    if inbox.closed || inbox.shutdown {
-        return Err(SubmitError::ShutDown);
-    }
-    if inbox.queued + reqs.len() > l.queue_capacity {
-        return Err(SubmitError::Busy {
-            queued: inbox.queued,
-            wanted: reqs.len(),
-            capacity: l.queue_capacity,
-        });
-    }
-    let mut handles = Vec::with_capacity(reqs.len());
-    for (req, stop) in reqs.into_iter().zip(stops) {
-        let id = shared.next_id.fetch_add(1, Ordering::SeqCst);
-        let (tx, rx) = channel();
-        let cancelled = Arc::new(AtomicBool::new(false));
-        inbox.incoming.push_back(Pending {
-            id,
-            req,
-            stop,
-            events: tx,
-            cancelled: cancelled.clone(),
-            submitted: Instant::now(),
-        });
-        inbox.queued += 1;
-        handles.push(RequestHandle {
-            id,
-            events: rx,
-            cancelled,
-            shared: shared.clone(),
-        });
-    }
-    shared.cv.notify_all();
-    drop(inbox);
-    Ok(handles)
-}
 
 /// One sequence: its request, its committed tokens and how far its KV is computed.
 struct Seq<'t> {
@@ -354,24 +65,6 @@ struct Seq<'t> {
     first_token: Option<Instant>,
     /// Speculation state (`None` = plain decoding).
     spec: Option<SeqSpec>,
-}
-
-/// One sequence's speculation state.
-struct SeqSpec {
-    drafter: Box<dyn Drafter>,
-    policy: SeqPolicy,
-    cfg: PolicyConfig,
-    stats: SpecStats,
-    /// This step's drafts (verified after the forward, then cleared).
-    drafts: Vec<u32>,
-    /// Of the drafts, how many were grammar-forced.
-    forced: usize,
-    /// The drafter kind of the non-forced drafts.
-    source: Option<DrafterKind>,
-    /// Drafting time of this step's proposal (costly drafters), µs.
-    cost_us: u64,
-    /// The top1 − top2 margin of the logits that chose the last committed token.
-    margin: Option<f32>,
 }
 
 impl Seq<'_> {
@@ -430,7 +123,8 @@ struct Loop<'t> {
     disk: Option<DiskTier>,
 }
 
-fn run(
+/// The loop thread's body: runs steps until a shutdown is asked, then ends everything.
+pub(crate) fn run(
     shared: Arc<Shared>,
     backend: Box<dyn ForwardBackend>,
     tok: Arc<Tokenizer>,
@@ -465,26 +159,15 @@ fn run(
         logits: Vec::new(),
         summaries: Vec::new(),
         row_buf: Vec::new(),
-        metrics: lock(&shared.metrics).clone(),
+        metrics: shared.published_metrics(),
         step_ms_total: 0.0,
         occupancy_total: 0.0,
         cost: CostModel::new(),
         disk,
     };
     loop {
-        let incoming = {
-            let mut inbox = lock(&shared.inbox);
-            loop {
-                if inbox.shutdown {
-                    inbox.closed = true;
-                    break None;
-                }
-                if !inbox.incoming.is_empty() || lp.has_work() {
-                    break Some(std::mem::take(&mut inbox.incoming));
-                }
-                inbox = shared.cv.wait(inbox).unwrap_or_else(|e| e.into_inner());
-            }
-        };
+        let has_work = lp.has_work();
+        let incoming = shared.next_incoming(has_work);
         let Some(incoming) = incoming else { break };
         for p in incoming {
             lp.accept(p);
@@ -504,37 +187,13 @@ impl<'t> Loop<'t> {
     }
 
     fn dequeue(&self) {
-        let mut inbox = lock(&self.shared.inbox);
-        inbox.queued = inbox.queued.saturating_sub(1);
+        self.shared.dequeued();
     }
 
     /// A new request joins the waiting queue (or finishes at once for `max_tokens: 0`).
     fn accept(&mut self, p: Pending) {
-        let req = p.req;
-        let spec_cfg = &self.cfg.spec;
-        let drafter: Option<Box<dyn Drafter>> = match req.drafter {
-            Some(d) if !req.no_spec => Some(d),
-            None if !req.no_spec && spec_cfg.is_on() => Some(Box::new(
-                spec_cfg
-                    .drafters
-                    .build_for(Some(&self.tok_arc), req.spec_partition),
-            )),
-            _ => None,
-        };
-        let spec = drafter.map(|drafter| SeqSpec {
-            drafter,
-            policy: SeqPolicy::new(),
-            cfg: req
-                .spec_policy
-                .clone()
-                .unwrap_or_else(|| spec_cfg.policy.clone()),
-            stats: SpecStats::default(),
-            drafts: Vec::new(),
-            forced: 0,
-            source: None,
-            cost_us: 0,
-            margin: None,
-        });
+        let mut req = p.req;
+        let spec = SeqSpec::for_request(self, &mut req);
         let seq = Seq {
             id: p.id,
             events: p.events,
@@ -779,7 +438,8 @@ impl<'t> Loop<'t> {
                 Ok(()) => {}
                 Err(e) => {
                     self.backend.kv_release(slot);
-                    if !matches!(e, BackendError::OutOfBlocks { .. }) {
+                    // Only a block that does not fit is the file's fault.
+                    if matches!(e, BackendError::BadKvBlock(_)) {
                         disk.reject(&h, &e.to_string());
                     }
                     break;
@@ -905,24 +565,7 @@ impl<'t> Loop<'t> {
         for &id in &plan.admit {
             let _ = self.admit(id);
         }
-        // Drafts the scheduler did not grant rows for are dropped (a scheduler skip).
-        for s in self.running.iter_mut() {
-            let Some(sp) = s.spec.as_mut() else { continue };
-            if sp.drafts.is_empty() {
-                continue;
-            }
-            let granted = plan
-                .grants
-                .iter()
-                .find(|g| g.id == s.id)
-                .map_or(0, |g| g.rows.saturating_sub(1));
-            if granted < sp.drafts.len() {
-                sp.drafts.truncate(granted);
-                sp.forced = sp.forced.min(granted);
-                sp.stats.sched_skips += 1;
-                self.metrics.spec.sched_skips += 1;
-            }
-        }
+        self.drop_ungranted_drafts(&plan);
         // Prepare every granted sequence's KV, evicting cached blocks on demand.
         let mut grants: Vec<(u64, usize)> = Vec::new();
         for g in &plan.grants {
@@ -1057,14 +700,6 @@ impl<'t> Loop<'t> {
         m.last_step_ms = ms;
         self.step_ms_total += ms;
         m.mean_step_ms = self.step_ms_total / m.steps as f64;
-    }
-
-    /// The sequence's drafts this step when a grant of `rows` is its verify block
-    /// `[t, d1..dk]` (the committed token's row plus every draft).
-    fn verify_drafts<'a>(s: &'a Seq<'_>, rows: usize) -> Option<&'a [u32]> {
-        let sp = s.spec.as_ref()?;
-        (!sp.drafts.is_empty() && s.computed + 1 == s.tokens.len() && rows == 1 + sp.drafts.len())
-            .then_some(&sp.drafts[..])
     }
 
     /// How many rows of a grant of `rows` want logits: every row of a verify block, the
@@ -1336,161 +971,6 @@ impl<'t> Loop<'t> {
         None
     }
 
-    /// Asks each speculating sequence in the decode phase for a proposal under its
-    /// adaptive policy, masked by a fresh fork of its constraint (the speculative mirror;
-    /// dropped afterwards, so the verified constraint never sees a draft).
-    fn propose_drafts(&mut self) {
-        let n_vocab = self.limits.n_vocab;
-        let context_len = self.limits.context_len;
-        let eos = self.tok.eos_ids();
-        for s in self.running.iter_mut() {
-            let Some(sp) = s.spec.as_mut() else { continue };
-            sp.drafts.clear();
-            sp.forced = 0;
-            sp.source = None;
-            sp.cost_us = 0;
-            if s.slot.is_none() || s.computed + 1 != s.tokens.len() {
-                continue;
-            }
-            // Room: up to k drafts commit k + 1 tokens; the last row stays in the context.
-            let generated = s.tokens.len() - s.prompt_len;
-            let by_max = s
-                .max_tokens
-                .map_or(usize::MAX, |m| m.saturating_sub(generated + 1));
-            let by_ctx = context_len.saturating_sub(s.tokens.len() + 1);
-            let room = by_max.min(by_ctx).min(sp.cfg.max_draft);
-            let plan = sp.policy.plan(&sp.cfg, &self.cost, room, sp.margin);
-            if room == 0 || (plan.max_draft == 0 && s.constraint.is_none()) {
-                sp.stats.no_draft += 1;
-                self.metrics.spec.no_draft += 1;
-                continue;
-            }
-            let allow_costly = !sp.cfg.cost_model || self.cost.costly_pays(room);
-            self.metrics.spec_draft_model_on = allow_costly;
-            let mut fork = s.constraint.as_ref().map(|c| c.fork());
-            let mut mirror = match fork.as_mut() {
-                Some(f) => Mirror::with_scratch(f.as_mut(), &mut self.draft_mask),
-                None => Mirror::unconstrained(),
-            };
-            let ctx = DraftContext {
-                tokens: &s.tokens,
-                prompt_len: s.prompt_len,
-                params: &s.params,
-                never: &self.never,
-                max_tokens: room,
-                max_draft: plan.max_draft.min(room),
-                kind_caps: &plan.caps,
-                allow_costly,
-                bars: &plan.bars,
-                eos_ends: !s.ignore_eos,
-                eos,
-                target: s.slot.and_then(|slot| self.backend.target_rows(slot)),
-            };
-            let mut prop = sp.drafter.propose(&ctx, &mut mirror);
-            // Never more than the room, never a token outside the logits.
-            prop.tokens.truncate(room);
-            if let Some(bad) = prop.tokens.iter().position(|&t| t as usize >= n_vocab) {
-                prop.tokens.truncate(bad);
-            }
-            if let Some(kind) = prop.source {
-                self.cost.observe_draft(
-                    kind,
-                    prop.tokens.len() - prop.forced.min(prop.tokens.len()),
-                    prop.cost_us,
-                );
-            }
-            if prop.tokens.is_empty() {
-                sp.stats.no_draft += 1;
-                self.metrics.spec.no_draft += 1;
-                continue;
-            }
-            sp.forced = prop.forced.min(prop.tokens.len());
-            sp.source = prop.source;
-            sp.cost_us = prop.cost_us;
-            sp.drafts = prop.tokens;
-        }
-    }
-
-    /// Verifies sequence `at`'s block `[t, d1..dk]` from its `k + 1` logit rows: walks the
-    /// rows with the plain choice ([`Loop::choose_at`], which emits each token exactly as
-    /// plain decoding does and checks every stop), accepting while the target's choice
-    /// equals the draft; the first mismatch is the target's own (bonus) token. Then the KV
-    /// is truncated to the committed length and the drafter told what was committed.
-    fn verify_at(&mut self, at: usize, logits: Logits<'_>) -> Option<Exit> {
-        let n = self.limits.n_vocab;
-        let (drafts, forced, source, cost_us) = {
-            let s = &mut self.running[at];
-            let sp = s.spec.as_mut()?;
-            (
-                std::mem::take(&mut sp.drafts),
-                sp.forced,
-                sp.source,
-                sp.cost_us,
-            )
-        };
-        let k = drafts.len();
-        let start = self.running[at].tokens.len();
-        // Row 0 is the committed token `t`: its KV is now written.
-        self.running[at].computed = start;
-        self.publish_blocks(at);
-        let mut accepted = 0usize;
-        let mut exit = None;
-        for i in 0..=k {
-            let row = logits.row(i, n);
-            let before = self.running[at].tokens.len();
-            let e = self.choose_at(at, row);
-            let s = &self.running[at];
-            let chose = (s.tokens.len() > before).then(|| s.tokens[before]);
-            let matched = chose.is_some() && drafts.get(i).copied() == chose;
-            if matched {
-                accepted += 1;
-            }
-            if e.is_some() {
-                exit = e;
-                break;
-            }
-            if !matched {
-                break;
-            }
-        }
-        // Statistics: the cycle, the policy, the cost model, time saved.
-        let free = k - forced.min(k);
-        let free_accepted = accepted.saturating_sub(forced.min(k));
-        // Against the measured verify-cost curve: the accepted tokens' plain steps minus
-        // the extra time of the k draft rows and the drafting.
-        let t1 = self.cost.step_ms(1);
-        let extra = self.cost.step_ms(1 + k) - t1;
-        let saved_ms = accepted as f64 * t1 - extra - cost_us as f64 / 1e3;
-        let saved_us = (saved_ms * 1e3).round() as i64;
-        if let Some(kind) = source {
-            self.cost.observe_cycle(kind, free, free_accepted);
-        }
-        self.metrics
-            .spec
-            .record_cycle(k, forced.min(k), accepted, saved_us);
-        self.metrics.spec.record_source(source, free, free_accepted);
-        let s = &mut self.running[at];
-        if let Some(sp) = s.spec.as_mut() {
-            sp.stats.record_cycle(k, forced.min(k), accepted, saved_us);
-            sp.stats.record_source(source, free, free_accepted);
-            sp.policy.record(source, free, free_accepted);
-        }
-        if exit.is_some() {
-            return exit;
-        }
-        // Committed: t, the accepted drafts and the bonus; KV holds t and the accepted.
-        let committed = start + accepted;
-        s.computed = committed;
-        if let Some(slot) = s.slot {
-            self.backend.kv_truncate(slot, committed);
-        }
-        if let Some(sp) = s.spec.as_mut() {
-            sp.drafter.observe(&s.tokens);
-        }
-        self.publish_blocks(at);
-        None
-    }
-
     fn publish_metrics(&mut self) {
         self.metrics.running = self.running.len();
         self.metrics.kv_free_blocks = self.backend.free_blocks();
@@ -1499,17 +979,12 @@ impl<'t> Loop<'t> {
         if let Some(ix) = &self.cfg.spec.drafters.suffix {
             self.metrics.spec_suffix_stored_tokens = ix.counters().stored_tokens;
         }
-        *lock(&self.shared.metrics) = self.metrics.clone();
+        self.shared.publish_metrics(self.metrics.clone());
     }
 
     /// Ends everything: queued and running requests get an error, all KV is given back.
     fn shutdown(&mut self) {
-        let pending: Vec<Pending> = {
-            let mut inbox = lock(&self.shared.inbox);
-            inbox.closed = true;
-            inbox.incoming.drain(..).collect()
-        };
-        for p in pending {
+        for p in self.shared.close() {
             let _ = p.events.send(Event::Error("engine shut down".into()));
         }
         let all: Vec<Seq<'t>> = self
@@ -1523,10 +998,7 @@ impl<'t> Loop<'t> {
         for holder in self.index.drain() {
             self.backend.kv_release(holder);
         }
-        {
-            let mut inbox = lock(&self.shared.inbox);
-            inbox.queued = 0;
-        }
+        self.shared.clear_queued();
         self.publish_metrics();
     }
 }
@@ -1589,25 +1061,6 @@ fn final_text(seq: &mut Seq<'_>, reason: FinishReason) -> String {
         }
         StopStep::Stopped { emit, .. } => emit,
     }
-}
-
-/// The top1 − top2 margin of `logits` over the tokens that may be chosen (`allowed`, or
-/// all, minus `never`); 0 when fewer than two may be chosen.
-fn top2_margin(logits: &[f32], allowed: Option<&TokenMask>, never: &TokenMask) -> f32 {
-    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for (t, &v) in logits.iter().enumerate() {
-        let t = t as u32;
-        if never.get(t) || allowed.is_some_and(|m| !m.get(t)) {
-            continue;
-        }
-        if v > a {
-            b = a;
-            a = v;
-        } else if v > b {
-            b = v;
-        }
-    }
-    if b.is_finite() { a - b } else { 0.0 }
 }
 
 /// SHA-256 of a logit row's little-endian f32 bytes.

@@ -230,14 +230,10 @@ pub struct Grammar {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-enum Rule {
-    Typed {
-        name: String,
-        lazy: bool,
-        body: Expr,
-    },
-    /// Rules in Lark text built elsewhere.
-    Text(String),
+struct Rule {
+    name: String,
+    lazy: bool,
+    body: Expr,
 }
 
 impl Grammar {
@@ -248,7 +244,7 @@ impl Grammar {
 
     /// Adds the rule `name: body`.
     pub fn rule(&mut self, name: impl Into<String>, body: Expr) -> &mut Grammar {
-        self.rules.push(Rule::Typed {
+        self.rules.push(Rule {
             name: name.into(),
             lazy: false,
             body,
@@ -258,7 +254,7 @@ impl Grammar {
 
     /// Adds the lazy rule `name[lazy]: body` (its match ends as early as it can).
     pub fn lazy_rule(&mut self, name: impl Into<String>, body: Expr) -> &mut Grammar {
-        self.rules.push(Rule::Typed {
+        self.rules.push(Rule {
             name: name.into(),
             lazy: true,
             body,
@@ -272,42 +268,30 @@ impl Grammar {
         self
     }
 
-    /// Adds rules given as Lark text, for a grammar fragment built by a crate that cannot
-    /// use this module (the DSML tool-call format in `chat`, a leaf crate).
-    pub fn extend_text(&mut self, rules: impl Into<String>) -> &mut Grammar {
-        self.rules.push(Rule::Text(rules.into()));
-        self
-    }
-
     /// The grammar as Lark text, one rule a line. Fails on a rule name that is not
     /// `[a-z_][a-z0-9_]*` or defined twice.
     pub fn to_lark(&self) -> Result<String, LarkError> {
         let mut out = String::new();
         let mut names: Vec<&str> = Vec::new();
-        for rule in &self.rules {
-            match rule {
-                Rule::Typed { name, lazy, body } => {
-                    let valid = name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
-                        && name
-                            .chars()
-                            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-                    if !valid {
-                        return Err(LarkError::InvalidRuleName(name.clone()));
-                    }
-                    if names.contains(&name.as_str()) {
-                        return Err(LarkError::DuplicateRule(name.clone()));
-                    }
-                    names.push(name);
-                    out.push_str(name);
-                    if *lazy {
-                        out.push_str("[lazy]");
-                    }
-                    out.push_str(": ");
-                    body.write(&mut out, false);
-                    out.push('\n');
-                }
-                Rule::Text(text) => out.push_str(text),
+        for Rule { name, lazy, body } in &self.rules {
+            let valid = name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+            if !valid {
+                return Err(LarkError::InvalidRuleName(name.clone()));
             }
+            if names.contains(&name.as_str()) {
+                return Err(LarkError::DuplicateRule(name.clone()));
+            }
+            names.push(name);
+            out.push_str(name);
+            if *lazy {
+                out.push_str("[lazy]");
+            }
+            out.push_str(": ");
+            body.write(&mut out, false);
+            out.push('\n');
         }
         Ok(out)
     }

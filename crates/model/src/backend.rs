@@ -5,6 +5,7 @@
 //! backend) implement it without depending on the engine or its drafters.
 
 use crate::BatchRow;
+use std::sync::Arc;
 
 /// An opaque handle to one sequence's KV block table inside a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -23,8 +24,13 @@ pub struct ForwardRow {
     pub wants_logits: bool,
 }
 
-/// Backend failures.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Backend failures, by what a caller can do about them.
+///
+/// The engine preempts or waits on [`BackendError::OutOfBlocks`], takes another way where a
+/// backend lacks an operation ([`BackendError::Unsupported`]: computes a prompt instead of
+/// forking a prefix), and removes a disk-cache file whose block does not fit
+/// ([`BackendError::BadKvBlock`]); every other error ends the sequences it concerns.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum BackendError {
     /// The KV pool lacks blocks (nothing was changed).
     #[error("KV pool out of blocks: {needed} needed, {free} free")]
@@ -37,9 +43,47 @@ pub enum BackendError {
     /// A slot that does not exist (released or never created).
     #[error("unknown KV slot {0}")]
     UnknownSlot(u32),
-    /// Anything else (a model fault, a malformed batch).
+    /// The KV pool does not exist yet ([`ForwardBackend::init_kv`] was not called).
+    #[error("KV pool not initialised")]
+    NoKvPool,
+    /// This backend cannot do what was asked, at all (keep logit rows, save its KV cache,
+    /// share a DeepSeek V4 sequence's state) or for this sequence (share a prefix whose
+    /// sliding-window blocks were released). Nothing was changed.
     #[error("{0}")]
-    Other(String),
+    Unsupported(String),
+    /// A call outside the contract: a forward's rows (a token outside the vocabulary, a
+    /// position past the context or outside the prepared space, rows of a sequence not
+    /// consecutive), a KV block or position that is not there, a logit row the last
+    /// forward did not keep. The caller's bug.
+    #[error("{0}")]
+    Invalid(String),
+    /// A saved KV block handed to [`ForwardBackend::kv_restore_block`] does not fit this
+    /// backend (its size): the data, not the backend, is at fault.
+    #[error("{0}")]
+    BadKvBlock(String),
+    /// The model, its kernels or its KV cache refused the operation (a malformed tensor, a
+    /// kernel that refused its arguments, KV bookkeeping); the source says which.
+    #[error(transparent)]
+    Model(Arc<dyn std::error::Error + Send + Sync>),
+    /// The device failed: a driver call, an allocation, a copy or a launch (the CUDA
+    /// backend); the source says which.
+    #[error(transparent)]
+    Device(Arc<dyn std::error::Error + Send + Sync>),
+    /// A state the backend should never be in (its own bug).
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl BackendError {
+    /// [`BackendError::Model`] with `source`.
+    pub fn model(source: impl std::error::Error + Send + Sync + 'static) -> BackendError {
+        BackendError::Model(Arc::new(source))
+    }
+
+    /// [`BackendError::Device`] with `source`.
+    pub fn device(source: impl std::error::Error + Send + Sync + 'static) -> BackendError {
+        BackendError::Device(Arc::new(source))
+    }
 }
 
 /// A model plus its paged KV cache, as the step loop sees it: KV bookkeeping per sequence
@@ -57,7 +101,7 @@ pub trait ForwardBackend: Send {
     /// The largest context the backend supports (positions `0..max_context`).
     fn max_context(&self) -> usize;
     /// (Re)creates the KV pool with room for `max_tokens` token slots (whole blocks);
-    /// every slot is dropped. Called once by [`Engine::start`].
+    /// every slot is dropped. Called once by the engine's `Engine::start`.
     fn init_kv(&mut self, max_tokens: usize) -> Result<(), BackendError>;
     /// Tokens per KV block.
     fn block_size(&self) -> usize;
@@ -114,7 +158,7 @@ pub trait ForwardBackend: Send {
         summaries: &mut Vec<sampling::RowSummary>,
     ) -> Result<(), BackendError> {
         let _ = (rows, summaries);
-        Err(BackendError::Other(
+        Err(BackendError::Unsupported(
             "this backend does not summarize logit rows".into(),
         ))
     }
@@ -122,7 +166,7 @@ pub trait ForwardBackend: Send {
     /// [`ForwardBackend::forward_summaries`]'s summaries) into `out` (cleared first).
     fn logit_row(&mut self, i: usize, out: &mut Vec<f32>) -> Result<(), BackendError> {
         let _ = (i, out);
-        Err(BackendError::Other(
+        Err(BackendError::Unsupported(
             "this backend does not keep logit rows".into(),
         ))
     }
@@ -146,7 +190,7 @@ pub trait ForwardBackend: Send {
         out: &mut Vec<u8>,
     ) -> Result<(), BackendError> {
         let _ = (slot, block, out);
-        Err(BackendError::Other(
+        Err(BackendError::Unsupported(
             "this backend cannot save its KV cache".into(),
         ))
     }
@@ -157,7 +201,7 @@ pub trait ForwardBackend: Send {
     /// short (nothing changed).
     fn kv_restore_block(&mut self, slot: KvSlot, data: &[u8]) -> Result<(), BackendError> {
         let _ = (slot, data);
-        Err(BackendError::Other(
+        Err(BackendError::Unsupported(
             "this backend cannot restore its KV cache".into(),
         ))
     }
@@ -229,13 +273,13 @@ impl Batch {
         };
         for (i, r) in rows.iter().enumerate() {
             if r.token as usize >= n_vocab {
-                return Err(BackendError::Other(format!(
+                return Err(BackendError::Invalid(format!(
                     "row {i}: token id {} is outside the vocabulary (0..{n_vocab})",
                     r.token
                 )));
             }
             if r.pos >= max_context {
-                return Err(BackendError::Other(format!(
+                return Err(BackendError::Invalid(format!(
                     "row {i}: position {} is past the context ({max_context})",
                     r.pos
                 )));
@@ -248,7 +292,7 @@ impl Batch {
                 }
                 Some(j) => {
                     if r.pos != b.spans[j].1 + 1 {
-                        return Err(BackendError::Other(format!(
+                        return Err(BackendError::Invalid(format!(
                             "row {i}: sequence {} goes from position {} to {}; rows of one \
                              sequence must be consecutive positions",
                             r.slot.0, b.spans[j].1, r.pos

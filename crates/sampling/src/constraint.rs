@@ -94,7 +94,8 @@ pub trait TokenConstraint: Send {
 /// token id below `n_logits`: `accepts(t)` agrees with the mask, and `consume(t)` succeeds
 /// exactly for the allowed tokens (each tried on a fork, so `constraint` is unchanged).
 /// Returns the first disagreeing token, if any. Costs one fork and one mask per token:
-/// meant for tests of implementations.
+/// meant for tests of implementations (behind the `testing` feature).
+#[cfg(any(test, feature = "testing"))]
 pub fn check_contract(
     constraint: &mut dyn TokenConstraint,
     n_logits: usize,
@@ -126,6 +127,7 @@ pub fn check_contract(
 
 /// A token for which a constraint's `accepts` or `consume` disagreed with its mask
 /// ([`check_contract`]).
+#[cfg(any(test, feature = "testing"))]
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error("`{operation}({token})` disagrees with the mask (token in mask: {in_mask})")]
 pub struct ContractViolation {

@@ -45,7 +45,9 @@ mod params;
 mod stop;
 
 pub use choose::{Choice, ChoiceContext, SampleError, Sampler, choose};
-pub use constraint::{ConstraintError, ContractViolation, TokenConstraint, check_contract};
+pub use constraint::{ConstraintError, TokenConstraint};
+#[cfg(any(test, feature = "testing"))]
+pub use constraint::{ContractViolation, check_contract};
 pub use logprob::{RowSummary, SUMMARY_LANES, TokenLogprob, row_summary, top_logprobs};
 pub use mask::{MaskError, TokenMask};
 pub use noise::{NoiseKey, gumbel, gumbel_from_bits};

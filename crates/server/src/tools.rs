@@ -9,12 +9,17 @@
 //!   "custom"}`, the raw input (constrained by the tool's grammar), a newline and the end
 //!   marker. It is lockstep's own convention: the raw input stays unescaped, so a Lark or
 //!   regex grammar applies to it directly.
+//!
+//! DeepSeek V4's DSML envelope ([`chat::CallLayout::Dsml`]) writes each argument as a
+//! parameter element; its calls grammar is [`dsml::calls_grammar`] (function tools only).
 
-use chat::{ToolCallFormat, ToolStreamEvent, ToolStreamParser};
+use chat::{CallLayout, ToolCallFormat, ToolStreamEvent, ToolStreamParser};
 use grammar::lark::{Expr, Grammar, JsonLayout};
 use serde_json::{Value, json};
 
 use crate::error::ApiError;
+
+pub mod dsml;
 
 /// A tool the client offers.
 #[derive(Debug, Clone, PartialEq)]
@@ -207,7 +212,7 @@ impl ToolSetup {
                 ToolKind::Custom { .. } => None,
             })
             .collect();
-        if let Some(rules) = format.calls_lark(&functions, self.parallel) {
+        if format.call_layout() == CallLayout::Dsml {
             if functions.len() < tools.len() {
                 return Err(ApiError::invalid(
                     "tools",
@@ -217,10 +222,8 @@ impl ToolSetup {
                     ),
                 ));
             }
-            let rules = rules.map_err(|e| ApiError::invalid("tools", e.to_string()))?;
-            let mut g = Grammar::new();
-            g.extend_text(rules);
-            return Ok(g);
+            return dsml::calls_grammar(&functions, self.parallel)
+                .map_err(|e| ApiError::invalid("tools", e.to_string()));
         }
         let mut g = Grammar::new();
         if self.parallel {

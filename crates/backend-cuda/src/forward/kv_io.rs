@@ -41,7 +41,7 @@ impl CudaBackend {
         let kv = self.kv_ref()?;
         let seq = self.seq(slot)?;
         if (block + 1) * kv.bsz > seq.len {
-            return Err(BackendError::Other(format!(
+            return Err(BackendError::Invalid(format!(
                 "KV block {block} is not complete: the sequence holds {} positions",
                 seq.len
             )));
@@ -49,7 +49,7 @@ impl CudaBackend {
         let phys = *seq
             .blocks
             .get(block)
-            .ok_or_else(|| BackendError::Other(format!("KV block {block} is not reserved")))?
+            .ok_or_else(|| BackendError::Invalid(format!("KV block {block} is not reserved")))?
             as usize;
         let pb = kv.per_block;
         let dev = &self.model.dev;
@@ -75,7 +75,7 @@ impl CudaBackend {
     ) -> Result<(), BackendError> {
         let want = self.kv_bytes_per_block();
         if data.len() != want {
-            return Err(BackendError::Other(format!(
+            return Err(BackendError::BadKvBlock(format!(
                 "a restored KV block has {} bytes, this model's blocks have {want}",
                 data.len()
             )));
@@ -83,17 +83,14 @@ impl CudaBackend {
         let len = self.seq(slot)?.len;
         let bsz = self.kv_ref()?.bsz;
         if len % bsz != 0 {
-            return Err(BackendError::Other(format!(
+            return Err(BackendError::Invalid(format!(
                 "a restored block must start at a block boundary, the sequence has {len} \
                  positions"
             )));
         }
         self.kv_prepare(slot, len, len + bsz)?;
         let phys = self.seq(slot)?.blocks[len / bsz] as usize;
-        let kv = self
-            .kv
-            .as_mut()
-            .ok_or_else(|| BackendError::Other("KV pool not initialised".into()))?;
+        let kv = self.kv.as_mut().ok_or(BackendError::NoKvPool)?;
         let pb = kv.per_block;
         let dev = &self.model.dev;
         let mut rows = vec![0u16; pb];
@@ -102,7 +99,9 @@ impl CudaBackend {
         'layers: for li in 0..kv.k.len() {
             for buf in [&mut kv.k[li], &mut kv.v[li]] {
                 let Some(chunk) = chunks.next() else {
-                    result = Err(BackendError::Other("a restored KV block is short".into()));
+                    result = Err(BackendError::BadKvBlock(
+                        "a restored KV block is short".into(),
+                    ));
                     break 'layers;
                 };
                 for (dst, c) in rows.iter_mut().zip(chunk.chunks_exact(F16_BYTES)) {

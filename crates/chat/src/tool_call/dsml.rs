@@ -33,9 +33,9 @@
 //! (the reference wants exactly `>\n`), a parameter without `string=` is JSON when it parses
 //! and a string otherwise, and content after the block is kept as content.
 
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
-use super::{ToolCallFormat, ToolGrammarError, ToolStreamEvent, ToolStreamParser};
+use super::{CallLayout, ToolCallFormat, ToolStreamEvent, ToolStreamParser};
 use crate::pyjson::json_string;
 use crate::python_json;
 
@@ -47,6 +47,10 @@ const INVOKE_OPEN: &str = "<｜DSML｜invoke";
 const INVOKE_CLOSE: &str = "</｜DSML｜invoke>";
 const PARAM_OPEN: &str = "<｜DSML｜parameter";
 const PARAM_CLOSE: &str = "</｜DSML｜parameter>";
+/// A parameter's opening tag before its name.
+const PARAM_NAME_OPEN: &str = "<｜DSML｜parameter name=\"";
+/// A parameter's opening tag after its name: a raw string value, a JSON value.
+const PARAM_AFTER_NAME: [&str; 2] = ["\" string=\"true\">", "\" string=\"false\">"];
 /// Longest tag header (`name="…" string="…">`) read before the tag counts as malformed.
 const HEADER_LIMIT: usize = 512;
 
@@ -54,24 +58,66 @@ const HEADER_LIMIT: usize = 512;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DsmlFormat;
 
+/// The layout of a block, as the renderers write it and a grammar builder (the server's
+/// calls grammar) needs it: `BLOCK_OPEN`, then each invoke (`invoke_open(name)`, each
+/// parameter `parameter_open(key, raw)` + value + `PARAMETER_CLOSE`, `INVOKE_CLOSE`), then
+/// `BLOCK_CLOSE`, every two neighbours of these separated by `SEPARATOR` (an invoke without
+/// parameters holds two separators).
 impl DsmlFormat {
+    /// The tag that opens the block (the start marker).
+    pub const BLOCK_OPEN: &'static str = START;
+    /// The tag that closes the block (the end marker).
+    pub const BLOCK_CLOSE: &'static str = END;
+    /// The tag that closes an invoke.
+    pub const INVOKE_CLOSE: &'static str = INVOKE_CLOSE;
+    /// The tag that closes a parameter's value.
+    pub const PARAMETER_CLOSE: &'static str = PARAM_CLOSE;
+    /// What separates the elements of a block.
+    pub const SEPARATOR: &'static str = "\n";
+
+    /// The tag that opens the invoke of the function `name`.
+    pub fn invoke_open(name: &str) -> String {
+        format!("{INVOKE_OPEN} name=\"{name}\">")
+    }
+
+    /// The tag that opens the parameter `name`: `raw`, a raw string value
+    /// (`string="true"`), else JSON (`string="false"`).
+    pub fn parameter_open(name: &str, raw: bool) -> String {
+        let (before, after) = Self::parameter_open_parts(raw);
+        format!("{before}{name}{after}")
+    }
+
+    /// [`DsmlFormat::parameter_open`] without the name: the text before and after it.
+    pub fn parameter_open_parts(raw: bool) -> (&'static str, &'static str) {
+        (PARAM_NAME_OPEN, PARAM_AFTER_NAME[usize::from(!raw)])
+    }
+
+    /// Whether `name` can be written as a function or parameter name (no quote, no line
+    /// break).
+    pub fn can_write_name(name: &str) -> bool {
+        !name.contains('"') && !name.contains('\n')
+    }
+
     /// One `<｜DSML｜invoke>` element (no block around it). `arguments` is the arguments
     /// object; anything else is passed as a single string parameter `arguments`, as the
     /// reference encoder does with arguments that are not a JSON object.
     pub fn render_invoke(name: &str, arguments: &Value) -> String {
+        let sep = Self::SEPARATOR;
         format!(
-            "<{DSML_TOKEN}invoke name=\"{name}\">\n{}\n</{DSML_TOKEN}invoke>",
+            "{}{sep}{}{sep}{INVOKE_CLOSE}",
+            Self::invoke_open(name),
             encode_arguments(arguments)
         )
     }
 
     /// A whole block holding `calls` (name, arguments object) in order.
     pub fn render_calls<'a>(calls: impl IntoIterator<Item = (&'a str, &'a Value)>) -> String {
+        let sep = Self::SEPARATOR;
         let invokes: Vec<String> = calls
             .into_iter()
             .map(|(name, args)| Self::render_invoke(name, args))
             .collect();
-        format!("{START}\n{}\n{END}", invokes.join("\n"))
+        format!("{START}{sep}{}{sep}{END}", invokes.join(sep))
     }
 }
 
@@ -94,15 +140,16 @@ pub(crate) fn encode_arguments(arguments: &Value) -> String {
     map.iter()
         .map(|(k, v)| {
             let (is_str, text) = match v {
-                Value::String(s) => ("true", s.clone()),
-                other => ("false", python_json(other)),
+                Value::String(s) => (true, s.clone()),
+                other => (false, python_json(other)),
             };
             format!(
-                "<{DSML_TOKEN}parameter name=\"{k}\" string=\"{is_str}\">{text}</{DSML_TOKEN}parameter>"
+                "{}{text}{PARAM_CLOSE}",
+                DsmlFormat::parameter_open(k, is_str)
             )
         })
         .collect::<Vec<_>>()
-        .join("\n")
+        .join(DsmlFormat::SEPARATOR)
 }
 
 impl ToolCallFormat for DsmlFormat {
@@ -132,241 +179,9 @@ impl ToolCallFormat for DsmlFormat {
         Self::render_calls([(name, &args)])
     }
 
-    fn calls_lark(
-        &self,
-        tools: &[(&str, &Value)],
-        parallel: bool,
-    ) -> Option<Result<String, ToolGrammarError>> {
-        Some(calls_lark(tools, parallel))
+    fn call_layout(&self) -> CallLayout {
+        CallLayout::Dsml
     }
-}
-
-// ---------------------------------------------------------------------------------------
-// Grammar
-// ---------------------------------------------------------------------------------------
-
-/// Lark rules defining `calls`: one block (starting with the start marker) holding one
-/// invoke, or several when `parallel`, of the given function tools. Each tool's
-/// parameters follow its schema's `properties` in schema order, required ones mandatory,
-/// others optional; a parameter whose schema only admits strings is `string="true"` raw
-/// text (an `enum`/`const` of strings restricts it to those values), one that admits no
-/// string is `string="false"` JSON valid against its schema (`%json`, the layout of
-/// `json.dumps`), one that admits both may be either. A schema without `properties`
-/// allows any parameters.
-pub fn calls_lark(tools: &[(&str, &Value)], parallel: bool) -> Result<String, ToolGrammarError> {
-    if tools.is_empty() {
-        return Err(ToolGrammarError::NoTools);
-    }
-    let mut out = String::new();
-    // "\n" stays a lexeme of its own: a literal that is a prefix of another ("\n" of
-    // "\n</…>") would need the lexer to backtrack.
-    let open = lark_string(&format!("{START}\n"));
-    let close = format!("\"\\n\" {}", lark_string(END));
-    if parallel {
-        out.push_str(&format!(
-            "calls: {open} dsml_invoke (\"\\n\" dsml_invoke)* {close}\n"
-        ));
-    } else {
-        out.push_str(&format!("calls: {open} dsml_invoke {close}\n"));
-    }
-    let names: Vec<String> = (0..tools.len()).map(|i| format!("dsml_call_{i}")).collect();
-    out.push_str(&format!("dsml_invoke: {}\n", names.join(" | ")));
-    for (i, (name, schema)) in tools.iter().enumerate() {
-        if name.contains('"') || name.contains('\n') {
-            return Err(ToolGrammarError::ToolName(name.to_string()));
-        }
-        out.push_str(&format!(
-            "dsml_call_{i}: {} dsml_params_{i} {}\n",
-            lark_string(&format!("{INVOKE_OPEN} name=\"{name}\">\n")),
-            lark_string(INVOKE_CLOSE)
-        ));
-        out.push_str(&params_rules(i, schema)?);
-    }
-    out.push_str(&format!(
-        "dsml_raw[lazy]: /(?s:.*){}/\n",
-        regex_escape(PARAM_CLOSE)
-    ));
-    Ok(out)
-}
-
-/// `dsml_params_{i}`: `"\n"` when no parameter is written, else each written parameter
-/// followed by `"\n"`.
-fn params_rules(i: usize, schema: &Value) -> Result<String, ToolGrammarError> {
-    let mut out = String::new();
-    let props = schema.get("properties").and_then(Value::as_object);
-    let Some(props) = props.filter(|p| !p.is_empty()) else {
-        // Any parameters.
-        out.push_str(&format!(
-            "dsml_params_{i}: \"\\n\" | (dsml_any_{i} \"\\n\")+\n"
-        ));
-        out.push_str(&format!(
-            "dsml_any_{i}: {} /[^\"\\n<>]+/ {} dsml_raw | {} /[^\"\\n<>]+/ {} dsml_anyjson_{i} {}\n",
-            lark_string(&format!("{PARAM_OPEN} name=\"")),
-            lark_string("\" string=\"true\">"),
-            lark_string(&format!("{PARAM_OPEN} name=\"")),
-            lark_string("\" string=\"false\">"),
-            lark_string(PARAM_CLOSE)
-        ));
-        out.push_str(&format!(
-            "dsml_anyjson_{i}: %json {}\n",
-            json_options(&json!({}))
-        ));
-        return Ok(out);
-    };
-    let required: Vec<&str> = schema
-        .get("required")
-        .and_then(Value::as_array)
-        .map(|r| r.iter().filter_map(Value::as_str).collect())
-        .unwrap_or_default();
-    let defs: Vec<(&str, &Value)> = ["$defs", "definitions"]
-        .into_iter()
-        .filter_map(|k| schema.get(k).map(|v| (k, v)))
-        .collect();
-    let mut seq = Vec::new();
-    for (j, (key, sub)) in props.iter().enumerate() {
-        if key.contains('"') || key.contains('\n') {
-            return Err(ToolGrammarError::ParameterName(key.clone()));
-        }
-        let rule = format!("dsml_p_{i}_{j}");
-        let item = format!("({rule} \"\\n\")");
-        if required.contains(&key.as_str()) {
-            seq.push(item);
-        } else {
-            seq.push(format!("{item}?"));
-        }
-        let head = |is_str: &str| {
-            lark_string(&format!("{PARAM_OPEN} name=\"{key}\" string=\"{is_str}\">"))
-        };
-        let mut alts = Vec::new();
-        match string_kind(sub) {
-            StringKind::Only(Some(values)) => {
-                // Each value with the close tag, so no literal is a prefix of another.
-                let lits: Vec<String> = values
-                    .iter()
-                    .map(|v| lark_string(&format!("{v}{PARAM_CLOSE}")))
-                    .collect();
-                alts.push(format!("{} ({})", head("true"), lits.join(" | ")));
-            }
-            StringKind::Only(None) => alts.push(format!("{} dsml_raw", head("true"))),
-            StringKind::Also => {
-                alts.push(format!("{} dsml_raw", head("true")));
-                alts.push(format!(
-                    "{} {rule}_json {}",
-                    head("false"),
-                    lark_string(PARAM_CLOSE)
-                ));
-            }
-            StringKind::Never => alts.push(format!(
-                "{} {rule}_json {}",
-                head("false"),
-                lark_string(PARAM_CLOSE)
-            )),
-        }
-        out.push_str(&format!("{rule}: {}\n", alts.join(" | ")));
-        if !matches!(string_kind(sub), StringKind::Only(_)) {
-            let mut sub = sub.clone();
-            if let Value::Object(m) = &mut sub {
-                for (k, v) in &defs {
-                    m.entry(k.to_string()).or_insert_with(|| (*v).clone());
-                }
-            }
-            out.push_str(&format!("{rule}_json: %json {}\n", json_options(&sub)));
-        }
-    }
-    if required.iter().any(|r| props.contains_key(*r)) {
-        out.push_str(&format!("dsml_params_{i}: {}\n", seq.join(" ")));
-    } else {
-        out.push_str(&format!("dsml_params_{i}: \"\\n\" | {}\n", seq.join(" ")));
-    }
-    Ok(out)
-}
-
-enum StringKind {
-    /// Only strings (`Some`: only these values).
-    Only(Option<Vec<String>>),
-    /// Strings and other values.
-    Also,
-    /// No strings.
-    Never,
-}
-
-fn string_kind(schema: &Value) -> StringKind {
-    let strings_of = |v: &Value| -> Option<Vec<String>> {
-        let list = match v {
-            Value::Array(a) => a.clone(),
-            other => vec![other.clone()],
-        };
-        list.iter()
-            .map(|x| x.as_str().map(str::to_string))
-            .collect()
-    };
-    if let Some(c) = schema.get("const") {
-        return match c.as_str() {
-            Some(s) => StringKind::Only(Some(vec![s.to_string()])),
-            None => StringKind::Never,
-        };
-    }
-    if let Some(e) = schema.get("enum") {
-        return match strings_of(e) {
-            Some(values) => StringKind::Only(Some(values)),
-            None if e.as_array().is_some_and(|a| a.iter().any(Value::is_string)) => {
-                StringKind::Also
-            }
-            None => StringKind::Never,
-        };
-    }
-    match schema.get("type") {
-        Some(Value::String(t)) if t == "string" => StringKind::Only(None),
-        Some(Value::String(_)) => StringKind::Never,
-        Some(Value::Array(types)) => {
-            let has = types.iter().any(|t| t.as_str() == Some("string"));
-            match (has, types.len()) {
-                (true, 1) => StringKind::Only(None),
-                (true, _) => StringKind::Also,
-                (false, _) => StringKind::Never,
-            }
-        }
-        _ => StringKind::Also,
-    }
-}
-
-/// The schema with llguidance options for `json.dumps` layout (`", "`, `": "`).
-fn json_options(schema: &Value) -> String {
-    let mut schema = match schema {
-        Value::Object(m) => Value::Object(m.clone()),
-        Value::Bool(true) => json!({}),
-        other => other.clone(),
-    };
-    if let Value::Object(m) = &mut schema {
-        m.insert(
-            "x-guidance".into(),
-            json!({
-                "item_separator": ", ",
-                "key_separator": ": ",
-                "whitespace_flexible": false,
-                "coerce_one_of": false,
-                "lenient": false
-            }),
-        );
-    }
-    schema.to_string()
-}
-
-/// A Lark string literal (JSON escaping).
-fn lark_string(s: &str) -> String {
-    Value::String(s.to_string()).to_string()
-}
-
-/// A literal as regex syntax inside a Lark `/…/`.
-fn regex_escape(s: &str) -> String {
-    let mut out = String::new();
-    for c in s.chars() {
-        if "\\.+*?()|[]{}^$#&-~/".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }
 
 // ---------------------------------------------------------------------------------------

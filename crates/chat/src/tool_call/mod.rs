@@ -2,31 +2,28 @@
 //!
 //! A format parses whole outputs ([`ToolCallFormat::parse`]) and streams
 //! ([`ToolCallFormat::stream_parser`]), and renders the envelope for a call
-//! ([`ToolCallFormat::render_call`], used to build grammars that force the envelope).
+//! ([`ToolCallFormat::render_call`]); [`ToolCallFormat::call_layout`] and the formats'
+//! layout facts let the crate that builds constraints write grammars forcing the envelope.
 //! Arguments travel as raw JSON text while streaming; ids are the caller's business.
 
 mod dsml;
 mod hermes;
 
 pub(crate) use dsml::encode_arguments as dsml_encode_arguments;
-pub use dsml::{DSML_TOKEN, DsmlFormat, calls_lark as dsml_calls_lark};
+pub use dsml::{DSML_TOKEN, DsmlFormat};
 pub use hermes::HermesFormat;
 
 use serde_json::Value;
 
-/// Why a format cannot write the given tools as its calls grammar
-/// ([`ToolCallFormat::calls_lark`]).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ToolGrammarError {
-    /// There is no function tool to call.
-    #[error("no function tools to call")]
-    NoTools,
-    /// A tool name the envelope cannot hold (a quote or a newline).
-    #[error("tool name {0:?} cannot be written in a DSML invoke")]
-    ToolName(String),
-    /// A parameter name the envelope cannot hold (a quote or a newline).
-    #[error("parameter name {0:?} cannot be written in DSML")]
-    ParameterName(String),
+/// How a format lays out a call's arguments, which decides how a grammar forcing its
+/// calls is built ([`ToolCallFormat::call_layout`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallLayout {
+    /// The arguments as one JSON object in the envelope of
+    /// [`ToolCallFormat::render_call`] (Hermes).
+    JsonArguments,
+    /// One DSML parameter element per argument ([`DsmlFormat`]'s layout).
+    Dsml,
 }
 
 /// One model family's tool-call envelope.
@@ -42,19 +39,10 @@ pub trait ToolCallFormat: Send + Sync + std::fmt::Debug {
     /// The envelope text for one call, exactly as the model is expected to write it.
     /// `arguments_json` is inserted verbatim.
     fn render_call(&self, name: &str, arguments_json: &str) -> String;
-    /// Lark rules defining the rule `calls` (starting with [`Self::start_marker`]) for the
-    /// function tools `(name, parameters schema)`, for formats whose envelope is not
-    /// [`Self::render_call`] around a JSON arguments slot. `parallel`: several calls
-    /// allowed. `None` (the default): the caller builds the grammar from `render_call` with
-    /// the arguments as `%json` (Hermes). `Some(Err)`: the tools cannot be written in
-    /// this format.
-    fn calls_lark(
-        &self,
-        tools: &[(&str, &Value)],
-        parallel: bool,
-    ) -> Option<Result<String, ToolGrammarError>> {
-        let _ = (tools, parallel);
-        None
+    /// How this format lays out a call's arguments: [`CallLayout::JsonArguments`] (the
+    /// default) is [`Self::render_call`] around a JSON arguments slot.
+    fn call_layout(&self) -> CallLayout {
+        CallLayout::JsonArguments
     }
     /// Splits a whole completion into content and tool calls. Equivalent to feeding the
     /// text to [`Self::stream_parser`] in one piece and collecting the events.

@@ -1,16 +1,12 @@
 //! DeepSeek V4 DSML: render → parse round trips, streaming at every byte boundary,
-//! malformed envelopes, the calls grammar (compiled through `grammar` with Qwen's
-//! tokenizer) and the V4 chat encoding.
+//! malformed envelopes and the V4 chat encoding (the calls grammar is the server's,
+//! `lockstep_server::tools::dsml`).
 
-use std::sync::{Arc, OnceLock};
-
-use grammar::{Constraint, GrammarLimits, TokenEnv};
 use lockstep_chat::{
     ChatTemplate, DsmlFormat, FunctionCall, Message, ParsedOutput, ToolCall, ToolCallFormat,
-    ToolGrammarError, ToolStreamEvent, detect_format, dsml_calls_lark,
+    ToolStreamEvent, detect_format,
 };
 use serde_json::{Map, Value, json};
-use text::{EncodeOptions, Tokenizer};
 
 fn parse_split_everywhere(text: &str) -> ParsedOutput {
     let whole = DsmlFormat.parse(text);
@@ -238,117 +234,6 @@ fn the_template_source_selects_dsml() {
     // DeepSeek V3.2's block is `function_calls`: not this format.
     let v32 = "{%- set dsml_token = \"｜DSML｜\" -%}<{{ dsml_token }}function_calls>";
     assert!(detect_format(v32).is_none());
-}
-
-// --- grammar --------------------------------------------------------------------------
-
-fn qwen_env() -> &'static (Arc<Tokenizer>, Arc<TokenEnv>) {
-    static M: OnceLock<(Arc<Tokenizer>, Arc<TokenEnv>)> = OnceLock::new();
-    M.get_or_init(|| {
-        let path = hub::ensure_model("qwen2.5-coder-0.5b").expect("model file");
-        let file = gguf::GgufFile::open(&path).expect("gguf");
-        let tok = Arc::new(Tokenizer::from_gguf(&file).expect("tokenizer"));
-        let env = TokenEnv::new(tok.clone()).expect("token env");
-        (tok, env)
-    })
-}
-
-/// Whether the grammar accepts `text` entirely and may end there.
-fn accepts(lark: &str, text: &str) -> bool {
-    let (tok, env) = qwen_env();
-    let compiled = Constraint::lark(format!("start: calls\n{lark}"))
-        .compile(env, &GrammarLimits::default())
-        .unwrap_or_else(|e| panic!("compile: {e}\n{lark}"));
-    let mut m = compiled.matcher();
-    for t in tok.encode(text, EncodeOptions::plain_text()) {
-        if m.consume(t).is_err() {
-            return false;
-        }
-    }
-    m.is_accepting()
-}
-
-fn weather_tools() -> Vec<(&'static str, Value)> {
-    vec![
-        (
-            "get_weather",
-            json!({
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "days": {"type": "integer", "minimum": 1},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                    "where": {"$ref": "#/$defs/point"}
-                },
-                "required": ["city"],
-                "$defs": {"point": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"], "additionalProperties": false}}
-            }),
-        ),
-        ("noop", json!({"type": "object", "properties": {}})),
-    ]
-}
-
-#[test]
-fn the_grammar_accepts_rendered_calls_and_rejects_schema_violations() {
-    let tools = weather_tools();
-    let refs: Vec<(&str, &Value)> = tools.iter().map(|(n, s)| (*n, s)).collect();
-    let single = dsml_calls_lark(&refs, false).unwrap();
-    let parallel = dsml_calls_lark(&refs, true).unwrap();
-    let good = [
-        json!({"city": "Paris"}),
-        json!({"city": "New\nYork \"big\" 北京", "days": 3}),
-        json!({"city": "Oslo", "days": 2, "unit": "celsius", "where": {"lat": 59.9}}),
-    ];
-    for args in &good {
-        let text = DsmlFormat::render_calls([("get_weather", args)]);
-        assert!(accepts(&single, &text), "{text}");
-        assert!(accepts(&parallel, &text), "{text}");
-    }
-    let noop = DsmlFormat::render_calls([("noop", &json!({}))]);
-    assert!(accepts(&single, &noop), "{noop}");
-    let two = DsmlFormat::render_calls([("get_weather", &good[0]), ("noop", &json!({}))]);
-    assert!(accepts(&parallel, &two), "{two}");
-    assert!(!accepts(&single, &two), "one call only without parallel");
-    let bad = [
-        json!({"days": 3}),                            // missing required city
-        json!({"city": "Paris", "days": 0}),           // minimum
-        json!({"city": "Paris", "days": "3"}),         // string for an integer
-        json!({"city": "Paris", "unit": "kelvin"}),    // not in the enum
-        json!({"city": "Paris", "where": {"lon": 1}}), // $ref'd schema
-        json!({"city": "Paris", "extra": 1}),          // unknown parameter
-    ];
-    for args in &bad {
-        let text = DsmlFormat::render_calls([("get_weather", args)]);
-        assert!(!accepts(&single, &text), "accepted {text}");
-    }
-    let unknown = DsmlFormat::render_calls([("delete_all", &json!({}))]);
-    assert!(!accepts(&parallel, &unknown), "unknown tool");
-    // The grammar starts with the start marker (the lazy trigger).
-    assert!(single.contains(&format!("calls: \"{}\\n\"", DsmlFormat.start_marker())));
-}
-
-#[test]
-fn the_grammar_handles_schemas_without_properties_and_mixed_types() {
-    let any = json!({"type": "object"});
-    let mixed = json!({"type": "object", "properties": {"v": {"type": ["string", "integer"]}}, "required": ["v"]});
-    let tools = [("any", &any), ("mixed", &mixed)];
-    let lark = dsml_calls_lark(&tools, true).unwrap();
-    for (name, args) in [
-        ("any", json!({})),
-        ("any", json!({"x": "free text", "y": [1, {"z": null}]})),
-        ("mixed", json!({"v": "text"})),
-        ("mixed", json!({"v": 7})),
-    ] {
-        let text = DsmlFormat::render_calls([(name, &args)]);
-        assert!(accepts(&lark, &text), "{text}");
-    }
-    let text = DsmlFormat::render_calls([("mixed", &json!({"v": [1]}))]);
-    assert!(!accepts(&lark, &text), "{text}");
-    assert_eq!(dsml_calls_lark(&[], false), Err(ToolGrammarError::NoTools));
-    assert_eq!(
-        dsml_calls_lark(&[("a\"b", &any)], false),
-        Err(ToolGrammarError::ToolName("a\"b".to_string()))
-    );
 }
 
 // --- chat encoding --------------------------------------------------------------------

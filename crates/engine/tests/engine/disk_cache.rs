@@ -276,3 +276,50 @@ fn deepseek4_refuses_the_disk_tier_with_a_reason() {
     }
     assert!(!dir.0.exists(), "nothing was created");
 }
+
+/// A restore the data is at fault for is [`BackendError::BadKvBlock`] (the disk tier then
+/// removes the file); one the caller is at fault for is [`BackendError::Invalid`]; before
+/// the pool exists, [`BackendError::NoKvPool`]. None of them changes the sequence.
+#[test]
+fn restore_errors_say_whose_fault_they_are() {
+    use lockstep_engine::{BackendError, ForwardBackend, ForwardRow};
+    let f = fixture("smollm2-135m", 512);
+    let mut b = ModelBackend::new(f.model.clone());
+    assert!(matches!(
+        b.kv_restore_block(lockstep_engine::KvSlot(0), &[]),
+        Err(BackendError::NoKvPool)
+    ));
+    b.init_kv(1024).expect("KV pool");
+    let bytes = b.kv_block_bytes();
+    let s = b.kv_new();
+    let p = prompt(&f.tok, 40);
+    b.kv_prepare(s, 0, p.len()).expect("prepare");
+    let rows: Vec<ForwardRow> = p
+        .iter()
+        .enumerate()
+        .map(|(pos, &token)| ForwardRow {
+            slot: s,
+            token,
+            pos,
+            wants_logits: false,
+        })
+        .collect();
+    b.forward(&rows, &mut Vec::new()).expect("forward");
+    let mut block = Vec::new();
+    b.kv_export_block(s, 0, &mut block).expect("export");
+    assert_eq!(block.len(), bytes);
+    let t = b.kv_new();
+    let free = b.free_blocks();
+    let short = b.kv_restore_block(t, &block[..bytes - 2]);
+    assert!(
+        matches!(short, Err(BackendError::BadKvBlock(_))),
+        "{short:?}"
+    );
+    assert_eq!((b.kv_len(t), b.free_blocks()), (0, free), "nothing changed");
+    // `s` holds 40 positions: not a block boundary.
+    let off = b.kv_restore_block(s, &block);
+    assert!(matches!(off, Err(BackendError::Invalid(_))), "{off:?}");
+    b.kv_restore_block(t, &block)
+        .expect("a whole block restores");
+    assert_eq!(b.kv_len(t), BLOCK);
+}

@@ -244,3 +244,157 @@ fn the_auto_constraint_is_free_text_until_the_envelope_opens_then_forces_it() {
         "{forced:?}"
     );
 }
+
+// --- the DSML calls grammar (DeepSeek V4's envelope), compiled with Qwen's tokenizer ---
+
+/// The DSML calls grammar of `tools` as Lark text.
+fn dsml_calls_lark(
+    tools: &[(&str, &Value)],
+    parallel: bool,
+) -> Result<String, lockstep_server::tools::dsml::ToolGrammarError> {
+    Ok(
+        lockstep_server::tools::dsml::calls_grammar(tools, parallel)?
+            .to_lark()
+            .expect("valid rule names"),
+    )
+}
+
+/// Whether the grammar accepts `text` entirely and may end there.
+fn accepts(lark: &str, text: &str) -> bool {
+    let model = crate::common::qwen_model();
+    let compiled = grammar::Constraint::lark(format!("start: calls\n{lark}"))
+        .compile(model.token_env(), &grammar::GrammarLimits::default())
+        .unwrap_or_else(|e| panic!("compile: {e}\n{lark}"));
+    let mut m = compiled.matcher();
+    for t in model
+        .tokenizer()
+        .encode(text, text::EncodeOptions::plain_text())
+    {
+        if m.consume(t).is_err() {
+            return false;
+        }
+    }
+    m.is_accepting()
+}
+
+fn weather_tools() -> Vec<(&'static str, Value)> {
+    vec![
+        (
+            "get_weather",
+            json!({
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer", "minimum": 1},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                    "where": {"$ref": "#/$defs/point"}
+                },
+                "required": ["city"],
+                "$defs": {"point": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"], "additionalProperties": false}}
+            }),
+        ),
+        ("noop", json!({"type": "object", "properties": {}})),
+    ]
+}
+
+#[test]
+fn the_dsml_grammar_accepts_rendered_calls_and_rejects_schema_violations() {
+    let tools = weather_tools();
+    let refs: Vec<(&str, &Value)> = tools.iter().map(|(n, s)| (*n, s)).collect();
+    let single = dsml_calls_lark(&refs, false).unwrap();
+    let parallel = dsml_calls_lark(&refs, true).unwrap();
+    let good = [
+        json!({"city": "Paris"}),
+        json!({"city": "New\nYork \"big\" 北京", "days": 3}),
+        json!({"city": "Oslo", "days": 2, "unit": "celsius", "where": {"lat": 59.9}}),
+    ];
+    for args in &good {
+        let text = chat::DsmlFormat::render_calls([("get_weather", args)]);
+        assert!(accepts(&single, &text), "{text}");
+        assert!(accepts(&parallel, &text), "{text}");
+    }
+    let noop = chat::DsmlFormat::render_calls([("noop", &json!({}))]);
+    assert!(accepts(&single, &noop), "{noop}");
+    let two = chat::DsmlFormat::render_calls([("get_weather", &good[0]), ("noop", &json!({}))]);
+    assert!(accepts(&parallel, &two), "{two}");
+    assert!(!accepts(&single, &two), "one call only without parallel");
+    let bad = [
+        json!({"days": 3}),                            // missing required city
+        json!({"city": "Paris", "days": 0}),           // minimum
+        json!({"city": "Paris", "days": "3"}),         // string for an integer
+        json!({"city": "Paris", "unit": "kelvin"}),    // not in the enum
+        json!({"city": "Paris", "where": {"lon": 1}}), // $ref'd schema
+        json!({"city": "Paris", "extra": 1}),          // unknown parameter
+    ];
+    for args in &bad {
+        let text = chat::DsmlFormat::render_calls([("get_weather", args)]);
+        assert!(!accepts(&single, &text), "accepted {text}");
+    }
+    let unknown = chat::DsmlFormat::render_calls([("delete_all", &json!({}))]);
+    assert!(!accepts(&parallel, &unknown), "unknown tool");
+    // The grammar starts with the start marker (the lazy trigger).
+    assert!(single.contains(&format!(
+        "calls: \"{}\\n\"",
+        chat::ToolCallFormat::start_marker(&chat::DsmlFormat)
+    )));
+}
+
+#[test]
+fn the_dsml_grammar_handles_schemas_without_properties_and_mixed_types() {
+    let any = json!({"type": "object"});
+    let mixed = json!({"type": "object", "properties": {"v": {"type": ["string", "integer"]}}, "required": ["v"]});
+    let tools = [("any", &any), ("mixed", &mixed)];
+    let lark = dsml_calls_lark(&tools, true).unwrap();
+    for (name, args) in [
+        ("any", json!({})),
+        ("any", json!({"x": "free text", "y": [1, {"z": null}]})),
+        ("mixed", json!({"v": "text"})),
+        ("mixed", json!({"v": 7})),
+    ] {
+        let text = chat::DsmlFormat::render_calls([(name, &args)]);
+        assert!(accepts(&lark, &text), "{text}");
+    }
+    let text = chat::DsmlFormat::render_calls([("mixed", &json!({"v": [1]}))]);
+    assert!(!accepts(&lark, &text), "{text}");
+    assert_eq!(
+        dsml_calls_lark(&[], false),
+        Err(lockstep_server::tools::dsml::ToolGrammarError::NoTools)
+    );
+    assert_eq!(
+        dsml_calls_lark(&[("a\"b", &any)], false),
+        Err(lockstep_server::tools::dsml::ToolGrammarError::ToolName(
+            "a\"b".to_string()
+        ))
+    );
+}
+
+#[test]
+fn the_dsml_grammar_handles_consts_mixed_enums_and_true_schemas() {
+    let opts = json!({"type": "object", "properties": {
+        "mode": {"const": "fast"},
+        "level": {"enum": ["low", 1]},
+        "anything": true,
+        "n": {"type": "number"}
+    }});
+    let lark = dsml_calls_lark(&[("opts", &opts)], false).unwrap();
+    for args in [
+        json!({}),
+        json!({"mode": "fast"}),
+        json!({"level": "low"}),
+        json!({"level": 1}),
+        json!({"anything": [1, "x", {"k": null}]}),
+        json!({"mode": "fast", "level": 1, "anything": "text", "n": 2.5}),
+    ] {
+        let text = chat::DsmlFormat::render_calls([("opts", &args)]);
+        assert!(accepts(&lark, &text), "{text}");
+    }
+    for args in [
+        json!({"mode": "slow"}),
+        json!({"level": 2}),
+        json!({"n": "many"}),
+        json!({"n": 1, "mode": "fast"}), // out of schema order
+    ] {
+        let text = chat::DsmlFormat::render_calls([("opts", &args)]);
+        assert!(!accepts(&lark, &text), "accepted {text}");
+    }
+}
