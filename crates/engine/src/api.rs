@@ -15,7 +15,7 @@ pub use model::{BackendError, ForwardBackend, ForwardRow, KvSlot};
 /// `is_finished`. An `Err` from any method ends only that request, with [`Event::Error`].
 pub use sampling::{ConstraintError, TokenConstraint};
 pub use sampling::{FinishReason, SamplingParams, StopCause, TokenMask};
-pub use spec::SpecStats;
+pub use spec::{DrafterKind, KindCounts, SpecStats};
 
 use crate::step::{self, Shared};
 

@@ -53,7 +53,8 @@ mod step;
 pub use api::{
     BackendError, Completion, ConstraintError, Engine, EngineConfig, EngineError, EngineMetrics,
     Event, EventIter, FinishReason, ForwardBackend, ForwardRow, GenerateRequest, KvSlot,
-    RequestHandle, SamplingParams, SpecConfig, SpecMode, SpecStats, StopCause, SubmitError,
+    DrafterKind, KindCounts, RequestHandle, SamplingParams, SpecConfig, SpecMode, SpecStats,
+    StopCause, SubmitError,
     Timings, TokenConstraint, TokenMask, Usage,
 };
 pub use deepseek4_backend::Deepseek4Backend;
