@@ -72,6 +72,8 @@ pub struct AgentBenchSetup {
     pub replay: Option<PathBuf>,
     /// With `replay`: the time of a one-row step, ms.
     pub replay_step_ms: f64,
+    /// With `replay`: trace the speculative server's forwards to this file.
+    pub replay_trace: Option<PathBuf>,
 }
 
 /// One workload's totals.
@@ -244,14 +246,20 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
     drop(gguf);
     let plain = Target::start(&path, &opts, "plain", plain_backend)?;
     opts.spec = crate::spec_args::free_spec();
-    let spec_backend: Option<(Box<dyn engine::ForwardBackend>, &str)> = replay
-        .as_ref()
-        .map(|rec| -> (Box<dyn engine::ForwardBackend>, &str) {
-            (
-                Box::new(ReplayBackend::new(Arc::clone(rec), curve, n_ctx)),
-                "replay",
-            )
-        });
+    let spec_backend: Option<(Box<dyn engine::ForwardBackend>, &str)> = match &replay {
+        Some(rec) => {
+            let mut b = ReplayBackend::new(Arc::clone(rec), curve, n_ctx);
+            if let Some(p) = &setup.replay_trace {
+                let f = std::fs::File::create(p)
+                    .with_context(|| format!("creating {}", p.display()))?;
+                let gguf = runtime::load::open_gguf(&path)?;
+                let tok = runtime::load::load_tokenizer(&gguf)?;
+                b = b.with_trace(Box::new(std::io::BufWriter::new(f)), Arc::new(tok));
+            }
+            Some((Box::new(b), "replay"))
+        }
+        None => None,
+    };
     let spec = Target::start(&path, &opts, "speculative", spec_backend)?;
     if !setup.json {
         let how = match &setup.replay {

@@ -101,6 +101,12 @@ pub struct BenchArgs {
     #[arg(long = "replay-step-ms", value_name = "MS", default_value_t = 20.0)]
     pub replay_step_ms: f64,
 
+    /// With --replay: write the speculative runs' forwards to FILE, one JSON line per
+    /// sequence per forward (rows, their text, the recorded choice after each, drafts
+    /// accepted)
+    #[arg(long = "replay-trace", value_name = "FILE", requires = "replay")]
+    pub replay_trace: Option<std::path::PathBuf>,
+
     /// With --spec: also bench this draft model (same tokenizer as the target)
     #[arg(long = "draft", value_name = "MODEL", requires = "spec")]
     pub draft: Option<String>,
@@ -278,6 +284,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             record: args.record.clone(),
             replay: args.replay.clone(),
             replay_step_ms: args.replay_step_ms,
+            replay_trace: args.replay_trace.clone(),
         };
         return crate::agent_bench::run(&setup, out);
     }

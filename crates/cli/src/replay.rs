@@ -361,6 +361,13 @@ pub struct ReplayBackend {
     hist: Histories,
     next_slot: u32,
     misses: Arc<AtomicU64>,
+    trace: Option<Trace>,
+}
+
+/// Where [`ReplayBackend::with_trace`] writes.
+struct Trace {
+    out: Box<dyn Write + Send>,
+    tok: Arc<text::Tokenizer>,
 }
 
 impl ReplayBackend {
@@ -376,7 +383,66 @@ impl ReplayBackend {
             hist: Histories::default(),
             next_slot: 0,
             misses: Arc::new(AtomicU64::new(0)),
+            trace: None,
         }
+    }
+
+    /// Also writes one JSON line per sequence per forward to `out`: its first position
+    /// (`pos`), the rows' tokens and text (`rows`, `text`: a verify block is the committed
+    /// token and the drafts), the token the recording chose after each row (`next`, `null`
+    /// where it holds none) and how many drafts that path accepts (`accepted`). Decoded
+    /// with `tok`. For finding which output the drafters missed.
+    pub fn with_trace(
+        mut self,
+        out: Box<dyn Write + Send>,
+        tok: Arc<text::Tokenizer>,
+    ) -> ReplayBackend {
+        self.trace = Some(Trace { out, tok });
+        self
+    }
+
+    fn write_trace(&mut self, rows: &[ForwardRow], hashes: &[Option<u64>]) {
+        let Some(tr) = self.trace.as_mut() else {
+            return;
+        };
+        let mut i = 0;
+        while i < rows.len() {
+            let slot = rows[i].slot;
+            let mut j = i;
+            while j < rows.len() && rows[j].slot == slot {
+                j += 1;
+            }
+            // Prefill chunks are not traced: only blocks whose rows all want logits.
+            if rows[i..j].iter().all(|r| r.wants_logits) {
+                let toks: Vec<u32> = rows[i..j].iter().map(|r| r.token).collect();
+                let next: Vec<Option<u32>> = hashes[i..j]
+                    .iter()
+                    .map(|h| {
+                        h.and_then(|h| self.rec.rows.get(&h))
+                            .and_then(|t| t.first())
+                            .map(|e| e.0)
+                    })
+                    .collect();
+                let accepted = (1..toks.len())
+                    .take_while(|&q| next[q - 1] == Some(toks[q]))
+                    .count();
+                let text: Vec<String> = toks
+                    .iter()
+                    .map(|&t| String::from_utf8_lossy(tr.tok.token_bytes(t).unwrap_or(b"")).into())
+                    .collect();
+                let line = serde_json::json!({
+                    "slot": slot.0,
+                    "pos": rows[i].pos,
+                    "rows": toks,
+                    "text": text,
+                    "next": next,
+                    "accepted": accepted,
+                });
+                let _ = writeln!(tr.out, "{line}");
+            }
+            i = j;
+        }
+        let _ = tr.out.flush();
     }
 
     /// Counts the logit rows whose history the recording lacks, among the last row of
@@ -471,6 +537,7 @@ impl ForwardBackend for ReplayBackend {
     fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError> {
         let n = self.rec.n_vocab;
         let hashes = self.hist.apply(rows);
+        self.write_trace(rows, &hashes);
         logits.clear();
         for (i, (r, h)) in rows.iter().zip(&hashes).enumerate() {
             if !r.wants_logits {
