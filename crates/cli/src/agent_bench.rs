@@ -88,6 +88,11 @@ struct WorkloadResult {
     spec_wall_s: f64,
     decode_speedup: f64,
     wall_speedup: f64,
+    /// With a replay: the verify-cost curve's decode time of each server, s.
+    plain_curve_s: f64,
+    spec_curve_s: f64,
+    /// Their ratio: the decode speed-up on the curve, independent of the machine.
+    curve_speedup: f64,
     cycles: u64,
     drafted: u64,
     accepted: u64,
@@ -107,6 +112,8 @@ struct WorkloadResult {
 struct Target {
     server: server::BackgroundServer,
     addr: SocketAddr,
+    /// With a replay backend: its curve clock (µs).
+    clock: Option<Arc<AtomicU64>>,
 }
 
 impl Target {
@@ -128,7 +135,18 @@ impl Target {
         )
         .with_context(|| format!("starting the {what} server"))?;
         let addr = server.local_addr();
-        Ok(Target { server, addr })
+        Ok(Target {
+            server,
+            addr,
+            clock: None,
+        })
+    }
+
+    /// The curve clock's seconds (0 without a replay backend).
+    fn curve_seconds(&self) -> f64 {
+        self.clock
+            .as_ref()
+            .map_or(0.0, |c| c.load(Ordering::Relaxed) as f64 / 1e6)
     }
 
     /// The server's total decode seconds so far.
@@ -214,12 +232,15 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
         t1_ms: setup.replay_step_ms,
     };
     let mut plain_misses: Option<Arc<AtomicU64>> = None;
+    let mut plain_clock: Option<Arc<AtomicU64>> = None;
+    let mut spec_clock: Option<Arc<AtomicU64>> = None;
     let recording = setup.record.as_ref().map(|_| Arc::new(Mutex::new(Recording::default())));
     let plain_backend: Option<(Box<dyn engine::ForwardBackend>, &str)> =
         match (&replay, &recording) {
             (Some(rec), _) => {
                 let b = ReplayBackend::new(Arc::clone(rec), curve, n_ctx);
                 plain_misses = Some(b.misses());
+                plain_clock = Some(b.decode_clock());
                 Some((Box::new(b), "replay"))
             }
             (None, Some(rec)) => {
@@ -244,11 +265,13 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
         runtime::load::check_memory(&gguf, n_ctx, model::KvType::default())?;
     }
     drop(gguf);
-    let plain = Target::start(&path, &opts, "plain", plain_backend)?;
+    let mut plain = Target::start(&path, &opts, "plain", plain_backend)?;
+    plain.clock = plain_clock;
     opts.spec = crate::spec_args::free_spec();
     let spec_backend: Option<(Box<dyn engine::ForwardBackend>, &str)> = match &replay {
         Some(rec) => {
             let mut b = ReplayBackend::new(Arc::clone(rec), curve, n_ctx);
+            spec_clock = Some(b.decode_clock());
             if let Some(p) = &setup.replay_trace {
                 let f = std::fs::File::create(p)
                     .with_context(|| format!("creating {}", p.display()))?;
@@ -260,7 +283,8 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let spec = Target::start(&path, &opts, "speculative", spec_backend)?;
+    let mut spec = Target::start(&path, &opts, "speculative", spec_backend)?;
+    spec.clock = spec_clock;
     if !setup.json {
         let how = match &setup.replay {
             Some(p) => format!(
@@ -310,6 +334,7 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
                 body["tools"] = tools.clone();
             }
             order += 1;
+            let curve0 = (plain.curve_seconds(), spec.curve_seconds());
             let (p, sp) = if order.is_multiple_of(2) {
                 let p = plain.turn(&body)?;
                 (p, spec.turn(&body)?)
@@ -327,6 +352,8 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
                 );
             }
             r.turns += 1;
+            r.plain_curve_s += plain.curve_seconds() - curve0.0;
+            r.spec_curve_s += spec.curve_seconds() - curve0.1;
             let tokens = a["completion_tokens"].as_u64().unwrap_or(0);
             eprintln!(
                 "{} turn {}: {tokens} tokens, decode {:.2} s plain, {:.2} s speculative",
@@ -361,6 +388,7 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
         r.decode_speedup = ratio(r.plain_decode_s, r.spec_decode_s);
         r.wall_speedup = ratio(r.plain_wall_s, r.spec_wall_s);
+        r.curve_speedup = ratio(r.plain_curve_s, r.spec_curve_s);
         r.accept_rate = ratio(r.accepted as f64, r.drafted as f64);
         r.tokens_per_cycle = ratio((r.accepted + r.cycles) as f64, r.cycles as f64);
         r.coverage = ratio(r.accepted as f64, r.completion_tokens as f64);
@@ -369,16 +397,16 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
                 writeln!(
                     out,
                     "\n| workload | turns | tokens | plain t/s | spec t/s | decode speed-up | \
-                     end-to-end speed-up | accepted/drafted | coverage | tokens/cycle | \
-                     suffix acc/drafted |\n\
+                     end-to-end speed-up | curve speed-up | accepted/drafted | coverage | \
+                     tokens/cycle |\n\
                      | --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |"
                 )?;
             }
             let tps = |s: f64| ratio(r.completion_tokens as f64, s);
             writeln!(
                 out,
-                "| {} | {} | {} | {:.2} | {:.2} | {:.2}x | {:.2}x | {}/{} ({:.0}%) | {:.1}% | {:.2} | \
-                 {}/{} |",
+                "| {} | {} | {} | {:.2} | {:.2} | {:.2}x | {:.2}x | {} | {}/{} ({:.0}%) | {:.1}% | \
+                 {:.2} |",
                 r.workload,
                 r.turns,
                 r.completion_tokens,
@@ -386,13 +414,16 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
                 tps(r.spec_decode_s),
                 r.decode_speedup,
                 r.wall_speedup,
+                if setup.replay.is_some() {
+                    format!("{:.2}x", r.curve_speedup)
+                } else {
+                    "n/a".into()
+                },
                 r.accepted,
                 r.drafted,
                 100.0 * r.accept_rate,
                 100.0 * r.coverage,
-                r.tokens_per_cycle,
-                r.suffix_accepted,
-                r.suffix_drafted
+                r.tokens_per_cycle
             )?;
             out.flush()?;
         }

@@ -361,6 +361,7 @@ pub struct ReplayBackend {
     hist: Histories,
     next_slot: u32,
     misses: Arc<AtomicU64>,
+    decode_us: Arc<AtomicU64>,
     trace: Option<Trace>,
 }
 
@@ -383,6 +384,7 @@ impl ReplayBackend {
             hist: Histories::default(),
             next_slot: 0,
             misses: Arc::new(AtomicU64::new(0)),
+            decode_us: Arc::new(AtomicU64::new(0)),
             trace: None,
         }
     }
@@ -452,6 +454,13 @@ impl ReplayBackend {
     /// and never chosen from).
     pub fn misses(&self) -> Arc<AtomicU64> {
         Arc::clone(&self.misses)
+    }
+
+    /// The curve's time of the decode and verify forwards so far (those whose rows all
+    /// want logits; prefill chunks are not counted), µs: the machine-independent decode
+    /// time of a replay.
+    pub fn decode_clock(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.decode_us)
     }
 
     fn used_blocks(&self) -> usize {
@@ -562,9 +571,12 @@ impl ForwardBackend for ReplayBackend {
                 }
             }
         }
-        std::thread::sleep(Duration::from_secs_f64(
-            self.curve.step_ms(rows.len()).max(0.0) / 1e3,
-        ));
+        let ms = self.curve.step_ms(rows.len()).max(0.0);
+        if rows.iter().all(|r| r.wants_logits) {
+            self.decode_us
+                .fetch_add((ms * 1e3).round() as u64, Ordering::Relaxed);
+        }
+        std::thread::sleep(Duration::from_secs_f64(ms / 1e3));
         Ok(())
     }
 }

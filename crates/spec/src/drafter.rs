@@ -291,9 +291,12 @@ impl<'a> Mirror<'a> {
         }
     }
 
-    /// Whether a grammar constrains the drafts.
+    /// Whether a grammar constrains the drafts here: false without a constraint and while
+    /// the constraint leaves the output free ([`TokenConstraint::is_free`]: a lazy
+    /// tool-call constraint before the envelope opens). Every drafted token is checked
+    /// either way.
     pub fn is_constrained(&self) -> bool {
-        self.inner.is_some()
+        self.inner.as_ref().is_some_and(|c| !c.is_free())
     }
 
     /// Whether drafting must stop here (finished, failed or all masked).
