@@ -15,10 +15,23 @@
 //! calls, finish reason, token counts); a difference is an error. Speed is completion
 //! tokens over the servers' decode time (`lockstep_decode_seconds_total`, first token to
 //! finish) and, end to end, over the request wall time.
+//!
+//! Beside the speeds it reports the counters that do not depend on the machine: the
+//! *coverage* (output tokens that arrived as accepted drafts, over all output tokens),
+//! per drafter (suffix index, n-gram, fast-forward) and why the steps without a draft had
+//! none (the policy's gates, or no drafter had a proposal).
+//!
+//! `--record FILE` keeps the plain server's logits ([`crate::replay`]); `--replay FILE`
+//! then runs both servers on those logits without the model, each forward taking the
+//! measured verify-cost curve's time: counters of the real model, speeds of the curve, the
+//! same on a loaded machine as on a quiet one.
 
+use std::collections::BTreeMap;
 use std::io::{BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
@@ -26,6 +39,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::load;
+use crate::replay::{Recording, RecordingBackend, ReplayBackend, StepCurve};
 use crate::serve_bench::{HttpBody, read_head};
 
 /// The replayed sessions.
@@ -50,6 +64,16 @@ pub struct AgentBenchSetup {
     pub threads: Option<usize>,
     /// Print one JSON array instead of a Markdown table.
     pub json: bool,
+    /// Only these sessions (empty = all).
+    pub sessions: Vec<String>,
+    /// Keep the plain server's logits in this file ([`crate::replay`]).
+    pub record: Option<PathBuf>,
+    /// Run both servers on this recording instead of the model.
+    pub replay: Option<PathBuf>,
+    /// With `replay`: the time of a one-row step, ms.
+    pub replay_step_ms: f64,
+    /// With `replay`: trace the speculative server's forwards to this file.
+    pub replay_trace: Option<PathBuf>,
 }
 
 /// One workload's totals.
@@ -64,6 +88,11 @@ struct WorkloadResult {
     spec_wall_s: f64,
     decode_speedup: f64,
     wall_speedup: f64,
+    /// With a replay: the verify-cost curve's decode time of each server, s.
+    plain_curve_s: f64,
+    spec_curve_s: f64,
+    /// Their ratio: the decode speed-up on the curve, independent of the machine.
+    curve_speedup: f64,
     cycles: u64,
     drafted: u64,
     accepted: u64,
@@ -71,12 +100,20 @@ struct WorkloadResult {
     tokens_per_cycle: f64,
     suffix_drafted: u64,
     suffix_accepted: u64,
+    /// Accepted draft tokens over output tokens.
+    coverage: f64,
+    /// Per drafter kind: (cycles, drafted, accepted).
+    by_drafter: BTreeMap<String, (u64, u64, u64)>,
+    /// Decode steps without a draft, by reason.
+    no_draft: BTreeMap<String, u64>,
 }
 
 /// One server under test.
 struct Target {
     server: server::BackgroundServer,
     addr: SocketAddr,
+    /// With a replay backend: its curve clock (µs).
+    clock: Option<Arc<AtomicU64>>,
 }
 
 impl Target {
@@ -84,11 +121,13 @@ impl Target {
         path: &std::path::Path,
         opts: &runtime::ModelOptions,
         what: &str,
+        backend: Option<(Box<dyn engine::ForwardBackend>, &str)>,
     ) -> anyhow::Result<Target> {
-        let model = Arc::new(
-            runtime::Runtime::open(path, opts)
-                .with_context(|| format!("loading {} ({what})", path.display()))?,
-        );
+        let rt = match backend {
+            Some((b, name)) => runtime::Runtime::open_with_backend(path, opts, b, name),
+            None => runtime::Runtime::open(path, opts),
+        };
+        let model = Arc::new(rt.with_context(|| format!("loading {} ({what})", path.display()))?);
         let server = server::BackgroundServer::start(
             SocketAddr::from(([127, 0, 0, 1], 0)),
             model,
@@ -96,7 +135,18 @@ impl Target {
         )
         .with_context(|| format!("starting the {what} server"))?;
         let addr = server.local_addr();
-        Ok(Target { server, addr })
+        Ok(Target {
+            server,
+            addr,
+            clock: None,
+        })
+    }
+
+    /// The curve clock's seconds (0 without a replay backend).
+    fn curve_seconds(&self) -> f64 {
+        self.clock
+            .as_ref()
+            .map_or(0.0, |c| c.load(Ordering::Relaxed) as f64 / 1e6)
     }
 
     /// The server's total decode seconds so far.
@@ -155,30 +205,108 @@ fn comparable(resp: &Value) -> Value {
 
 /// Runs the benchmark and writes the table (or JSON) to `out`.
 pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
-    let sessions: Vec<Session> =
+    let mut sessions: Vec<Session> =
         serde_json::from_str(SESSIONS).context("the built-in agent sessions do not parse")?;
+    if !setup.sessions.is_empty() {
+        for n in &setup.sessions {
+            if !sessions.iter().any(|s| &s.name == n) {
+                let known: Vec<&str> = sessions.iter().map(|s| s.name.as_str()).collect();
+                bail!("unknown agent session {n:?} (known: {})", known.join(", "));
+            }
+        }
+        sessions.retain(|s| setup.sessions.contains(&s.name));
+    }
     let path = load::resolve_model_path(&setup.model)?;
     let name = load::display_name(&setup.model, &path);
     let gguf = runtime::load::open_gguf(&path)?;
     let n_ctx = runtime::load::context_length(&gguf, None)?.min(8192);
-    runtime::load::check_memory(&gguf, n_ctx, model::KvType::default())?;
-    drop(gguf);
     let mut opts = runtime::ModelOptions::new(name.clone());
     opts.threads = setup.threads;
     opts.ctx_size = Some(n_ctx);
     opts.max_seqs = 1;
-    let plain = Target::start(&path, &opts, "plain")?;
+    let replay = match &setup.replay {
+        Some(p) => Some(Arc::new(Recording::load(p)?)),
+        None => None,
+    };
+    let curve = StepCurve {
+        t1_ms: setup.replay_step_ms,
+    };
+    let mut plain_misses: Option<Arc<AtomicU64>> = None;
+    let mut plain_clock: Option<Arc<AtomicU64>> = None;
+    let mut spec_clock: Option<Arc<AtomicU64>> = None;
+    let recording = setup
+        .record
+        .as_ref()
+        .map(|_| Arc::new(Mutex::new(Recording::default())));
+    let plain_backend: Option<(Box<dyn engine::ForwardBackend>, &str)> = match (&replay, &recording)
+    {
+        (Some(rec), _) => {
+            let b = ReplayBackend::new(Arc::clone(rec), curve, n_ctx);
+            plain_misses = Some(b.misses());
+            plain_clock = Some(b.decode_clock());
+            Some((Box::new(b), "replay"))
+        }
+        (None, Some(rec)) => {
+            let model = runtime::load::load_model(
+                &gguf,
+                setup.threads,
+                Some(n_ctx),
+                model::KvType::default(),
+            )?;
+            let inner = engine::ModelBackend::new(Arc::new(model));
+            rec.lock().unwrap_or_else(|e| e.into_inner()).n_vocab =
+                engine::ForwardBackend::n_vocab(&inner);
+            Some((
+                Box::new(RecordingBackend::new(Box::new(inner), Arc::clone(rec))),
+                "recording",
+            ))
+        }
+        (None, None) => None,
+    };
+    if replay.is_none() {
+        runtime::load::check_memory(&gguf, n_ctx, model::KvType::default())?;
+    }
+    drop(gguf);
+    let mut plain = Target::start(&path, &opts, "plain", plain_backend)?;
+    plain.clock = plain_clock;
     opts.spec = crate::spec_args::free_spec();
-    let spec = Target::start(&path, &opts, "speculative")?;
+    let spec_backend: Option<(Box<dyn engine::ForwardBackend>, &str)> = match &replay {
+        Some(rec) => {
+            let mut b = ReplayBackend::new(Arc::clone(rec), curve, n_ctx);
+            spec_clock = Some(b.decode_clock());
+            if let Some(p) = &setup.replay_trace {
+                let f = std::fs::File::create(p)
+                    .with_context(|| format!("creating {}", p.display()))?;
+                let gguf = runtime::load::open_gguf(&path)?;
+                let tok = runtime::load::load_tokenizer(&gguf)?;
+                b = b.with_trace(Box::new(std::io::BufWriter::new(f)), Arc::new(tok));
+            }
+            Some((Box::new(b), "replay"))
+        }
+        None => None,
+    };
+    let mut spec = Target::start(&path, &opts, "speculative", spec_backend)?;
+    spec.clock = spec_clock;
     if !setup.json {
+        let how = match &setup.replay {
+            Some(p) => format!(
+                "replaying {} (no model: a one-row step takes {} ms on the measured \
+                 verify-cost curve)",
+                p.display(),
+                setup.replay_step_ms
+            ),
+            None => format!(
+                "{} threads",
+                setup.threads.unwrap_or_else(|| {
+                    std::thread::available_parallelism().map_or(1, |n| n.get())
+                })
+            ),
+        };
         writeln!(
             out,
-            "lockstep bench --agent: {name}, {} threads, context {n_ctx}; plain and \
+            "lockstep bench --agent: {name}, {how}, context {n_ctx}; plain and \
              speculative servers side by side (free drafters: suffix index, n-gram, \
              fast-forward; adaptive policy); load average before: {}",
-            setup
-                .threads
-                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
             load_average()
         )?;
         out.flush()?;
@@ -208,6 +336,7 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
                 body["tools"] = tools.clone();
             }
             order += 1;
+            let curve0 = (plain.curve_seconds(), spec.curve_seconds());
             let (p, sp) = if order.is_multiple_of(2) {
                 let p = plain.turn(&body)?;
                 (p, spec.turn(&body)?)
@@ -225,6 +354,8 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
                 );
             }
             r.turns += 1;
+            r.plain_curve_s += plain.curve_seconds() - curve0.0;
+            r.spec_curve_s += spec.curve_seconds() - curve0.1;
             let tokens = a["completion_tokens"].as_u64().unwrap_or(0);
             eprintln!(
                 "{} turn {}: {tokens} tokens, decode {:.2} s plain, {:.2} s speculative",
@@ -242,25 +373,42 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
             r.accepted += n(&c["accepted"]);
             r.suffix_drafted += n(&c["suffix"]["drafted"]);
             r.suffix_accepted += n(&c["suffix"]["accepted"]);
+            if let Some(kinds) = c["by_drafter"].as_object() {
+                for (k, v) in kinds {
+                    let e = r.by_drafter.entry(k.clone()).or_default();
+                    e.0 += n(&v["cycles"]);
+                    e.1 += n(&v["drafted"]);
+                    e.2 += n(&v["accepted"]);
+                }
+            }
+            if let Some(reasons) = c["no_draft_reasons"].as_object() {
+                for (k, v) in reasons {
+                    *r.no_draft.entry(k.clone()).or_default() += n(v);
+                }
+            }
         }
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
         r.decode_speedup = ratio(r.plain_decode_s, r.spec_decode_s);
         r.wall_speedup = ratio(r.plain_wall_s, r.spec_wall_s);
+        r.curve_speedup = ratio(r.plain_curve_s, r.spec_curve_s);
         r.accept_rate = ratio(r.accepted as f64, r.drafted as f64);
         r.tokens_per_cycle = ratio((r.accepted + r.cycles) as f64, r.cycles as f64);
+        r.coverage = ratio(r.accepted as f64, r.completion_tokens as f64);
         if !setup.json {
             if results.is_empty() {
                 writeln!(
                     out,
                     "\n| workload | turns | tokens | plain t/s | spec t/s | decode speed-up | \
-                     end-to-end speed-up | accepted/drafted | tokens/cycle | suffix acc/drafted |\n\
-                     | --- | --: | --: | --: | --: | --: | --: | --: | --: | --: |"
+                     end-to-end speed-up | curve speed-up | accepted/drafted | coverage | \
+                     tokens/cycle |\n\
+                     | --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |"
                 )?;
             }
             let tps = |s: f64| ratio(r.completion_tokens as f64, s);
             writeln!(
                 out,
-                "| {} | {} | {} | {:.2} | {:.2} | {:.2}x | {:.2}x | {}/{} ({:.0}%) | {:.2} | {}/{} |",
+                "| {} | {} | {} | {:.2} | {:.2} | {:.2}x | {:.2}x | {} | {}/{} ({:.0}%) | {:.1}% | \
+                 {:.2} |",
                 r.workload,
                 r.turns,
                 r.completion_tokens,
@@ -268,12 +416,16 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
                 tps(r.spec_decode_s),
                 r.decode_speedup,
                 r.wall_speedup,
+                if setup.replay.is_some() {
+                    format!("{:.2}x", r.curve_speedup)
+                } else {
+                    "n/a".into()
+                },
                 r.accepted,
                 r.drafted,
                 100.0 * r.accept_rate,
-                r.tokens_per_cycle,
-                r.suffix_accepted,
-                r.suffix_drafted
+                100.0 * r.coverage,
+                r.tokens_per_cycle
             )?;
             out.flush()?;
         }
@@ -282,12 +434,34 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
     if setup.json {
         writeln!(out, "{}", serde_json::to_string_pretty(&results)?)?;
     } else {
+        write_counters(&results, out)?;
         writeln!(
             out,
             "\nevery turn's answer was identical with speculation on and off; load average \
              after: {}",
             load_average()
         )?;
+    }
+    if let Some(m) = plain_misses {
+        let m = m.load(Ordering::Relaxed);
+        if m > 0 {
+            bail!(
+                "the plain replay left the recording at {m} rows: the recording is not of \
+                 this model, these sessions or this lockstep"
+            );
+        }
+    }
+    if let (Some(p), Some(rec)) = (&setup.record, &recording) {
+        let rec = rec.lock().unwrap_or_else(|e| e.into_inner());
+        rec.save(p)?;
+        if !setup.json {
+            writeln!(
+                out,
+                "recorded {} logit rows of the plain server in {}",
+                rec.len(),
+                p.display()
+            )?;
+        }
     }
     plain
         .server
@@ -296,6 +470,53 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
     spec.server
         .shutdown()
         .context("stopping the speculative server")?;
+    Ok(())
+}
+
+/// The machine-independent counters per workload: coverage per drafter (accepted draft
+/// tokens of that drafter over output tokens, with its accepted/drafted) and the decode
+/// steps without a draft by reason.
+fn write_counters(results: &[WorkloadResult], out: &mut dyn Write) -> anyhow::Result<()> {
+    let kinds = ["suffix", "ngram", "fast-forward", "draft-model", "dspark"];
+    let shown: Vec<&str> = kinds
+        .iter()
+        .copied()
+        .filter(|k| results.iter().any(|r| r.by_drafter.contains_key(*k)))
+        .collect();
+    let reasons = ["nothing", "cost", "backoff", "margin", "room"];
+    write!(out, "\n| workload | tokens | coverage |")?;
+    for k in &shown {
+        write!(out, " {k}: coverage (acc/drafted) |")?;
+    }
+    write!(out, " no-draft steps |")?;
+    for r in &reasons {
+        write!(out, " {r} |")?;
+    }
+    write!(out, "\n| --- | --: | --: |")?;
+    for _ in 0..shown.len() + 1 + reasons.len() {
+        write!(out, " --: |")?;
+    }
+    writeln!(out)?;
+    for r in results {
+        let pct = |a: u64| 100.0 * a as f64 / (r.completion_tokens as f64).max(1.0);
+        write!(
+            out,
+            "| {} | {} | {:.1}% |",
+            r.workload,
+            r.completion_tokens,
+            100.0 * r.coverage
+        )?;
+        for k in &shown {
+            let (_, d, a) = r.by_drafter.get(*k).copied().unwrap_or_default();
+            write!(out, " {:.1}% ({a}/{d}) |", pct(a))?;
+        }
+        let total: u64 = r.no_draft.values().sum();
+        write!(out, " {total} |")?;
+        for reason in &reasons {
+            write!(out, " {} |", r.no_draft.get(*reason).copied().unwrap_or(0))?;
+        }
+        writeln!(out)?;
+    }
     Ok(())
 }
 

@@ -76,6 +76,37 @@ pub struct BenchArgs {
     #[arg(long = "agent", conflicts_with_all = ["spec", "constraint", "serve"])]
     pub agent: bool,
 
+    /// With --agent: only these sessions (coding-agent, tool-loop, chat)
+    #[arg(
+        long = "agent-sessions",
+        value_name = "LIST",
+        value_delimiter = ',',
+        requires = "agent"
+    )]
+    pub agent_sessions: Vec<String>,
+
+    /// With --agent or --spec: keep the plain runs' logits in FILE, to measure speculation
+    /// later with --replay FILE
+    #[arg(long = "record", value_name = "FILE", conflicts_with = "replay")]
+    pub record: Option<std::path::PathBuf>,
+
+    /// With --agent or --spec: run on the logits --record kept instead of the model, each
+    /// forward taking the time of the measured verify-cost curve (qwen2.5-coder-1.5b, 2
+    /// threads) scaled to --replay-step-ms per one-row step: the counters of the recorded
+    /// model, speed-ups independent of the machine's load
+    #[arg(long = "replay", value_name = "FILE")]
+    pub replay: Option<std::path::PathBuf>,
+
+    /// With --replay: the time of a one-row step, ms
+    #[arg(long = "replay-step-ms", value_name = "MS", default_value_t = 20.0)]
+    pub replay_step_ms: f64,
+
+    /// With --replay: write the speculative runs' forwards to FILE, one JSON line per
+    /// sequence per forward (rows, their text, the recorded choice after each, drafts
+    /// accepted)
+    #[arg(long = "replay-trace", value_name = "FILE", requires = "replay")]
+    pub replay_trace: Option<std::path::PathBuf>,
+
     /// With --spec: also bench this draft model (same tokenizer as the target)
     #[arg(long = "draft", value_name = "MODEL", requires = "spec")]
     pub draft: Option<String>,
@@ -249,6 +280,11 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             model: args.first_model(),
             threads: args.threads.first().copied(),
             json: args.output == BenchOutput::Json,
+            sessions: args.agent_sessions.clone(),
+            record: args.record.clone(),
+            replay: args.replay.clone(),
+            replay_step_ms: args.replay_step_ms,
+            replay_trace: args.replay_trace.clone(),
         };
         return crate::agent_bench::run(&setup, out);
     }

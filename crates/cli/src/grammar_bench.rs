@@ -144,6 +144,9 @@ impl TokenConstraint for TimedConstraint {
     fn accepts(&mut self, token: u32) -> bool {
         self.inner.accepts(token)
     }
+    fn is_free(&self) -> bool {
+        self.inner.is_free()
+    }
 }
 
 /// One generation: (tokens, decode seconds for the tokens after the first).

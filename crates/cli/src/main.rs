@@ -19,6 +19,7 @@ mod model_arg;
 mod models;
 mod prompt;
 mod pull;
+mod replay;
 mod run;
 mod serve;
 mod serve_bench;

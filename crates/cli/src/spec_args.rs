@@ -264,9 +264,21 @@ pub struct SpecReport {
     partial: u64,
     miss: u64,
     no_draft: u64,
+    /// No-draft steps by reason (room, backoff, margin, cost, nothing).
+    no_draft_reasons: std::collections::BTreeMap<&'static str, u64>,
     sched_skips: u64,
     forced: u64,
     time_saved_ms: f64,
+    /// Per drafter kind: cycles, drafted and accepted tokens.
+    by_drafter: std::collections::BTreeMap<&'static str, KindReport>,
+}
+
+/// One drafter kind's counters in [`SpecReport`].
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct KindReport {
+    cycles: u64,
+    drafted: u64,
+    accepted: u64,
 }
 
 impl SpecReport {
@@ -282,9 +294,33 @@ impl SpecReport {
             partial: s.partial,
             miss: s.miss,
             no_draft: s.no_draft,
+            no_draft_reasons: [
+                ("room", s.no_draft_room),
+                ("backoff", s.no_draft_backoff),
+                ("margin", s.no_draft_margin),
+                ("cost", s.no_draft_cost),
+                ("nothing", s.no_draft_nothing),
+            ]
+            .into_iter()
+            .collect(),
             sched_skips: s.sched_skips,
             forced: s.forced,
             time_saved_ms: s.time_saved_us as f64 / 1e3,
+            by_drafter: spec::DrafterKind::ALL
+                .into_iter()
+                .filter(|&k| s.kind(k).cycles > 0)
+                .map(|k| {
+                    let c = s.kind(k);
+                    (
+                        k.name(),
+                        KindReport {
+                            cycles: c.cycles,
+                            drafted: c.drafted,
+                            accepted: c.accepted,
+                        },
+                    )
+                })
+                .collect(),
         }
     }
 
@@ -292,8 +328,8 @@ impl SpecReport {
     pub fn line(&self) -> String {
         format!(
             "spec: {} cycles, drafted {}, accepted {} ({:.1}%), mean accepted {:.2}, \
-             full/partial/miss {}/{}/{}, no-draft {}, scheduler skips {}, forced {}, \
-             time saved {:.1} ms (est.)",
+             full/partial/miss {}/{}/{}, no-draft {} ({}), scheduler skips {}, forced {}, \
+             time saved {:.1} ms (est.); by drafter (accepted/drafted): {}",
             self.cycles,
             self.drafted,
             self.accepted,
@@ -303,9 +339,20 @@ impl SpecReport {
             self.partial,
             self.miss,
             self.no_draft,
+            self.no_draft_reasons
+                .iter()
+                .filter(|r| *r.1 > 0)
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", "),
             self.sched_skips,
             self.forced,
-            self.time_saved_ms
+            self.time_saved_ms,
+            self.by_drafter
+                .iter()
+                .map(|(k, c)| format!("{k} {}/{}", c.accepted, c.drafted))
+                .collect::<Vec<_>>()
+                .join(", ")
         )
     }
 }

@@ -15,7 +15,7 @@ pub use model::{BackendError, ForwardBackend, ForwardRow, KvSlot};
 /// `is_finished`. An `Err` from any method ends only that request, with [`Event::Error`].
 pub use sampling::{ConstraintError, TokenConstraint};
 pub use sampling::{FinishReason, SamplingParams, StopCause, TokenMask};
-pub use spec::SpecStats;
+pub use spec::{DrafterKind, KindCounts, SpecStats};
 
 use crate::submit::{self, Shared};
 
@@ -289,7 +289,7 @@ pub enum Event {
         /// Held-back text released at the end (never part of a stop string).
         text: String,
         /// Token counts.
-        usage: Usage,
+        usage: Box<Usage>,
         /// Phase timings.
         timings: Timings,
     },
@@ -367,7 +367,7 @@ impl RequestHandle {
                 } => {
                     out.text.push_str(&text);
                     out.finish = Some(reason);
-                    out.usage = usage;
+                    out.usage = *usage;
                     out.timings = timings;
                 }
                 Event::Error(e) => out.error = Some(e),

@@ -53,10 +53,10 @@ mod step;
 mod submit;
 
 pub use api::{
-    BackendError, Completion, ConstraintError, Engine, EngineConfig, EngineError, EngineMetrics,
-    Event, EventIter, FinishReason, ForwardBackend, ForwardRow, GenerateRequest, KvSlot,
-    RequestHandle, SamplingParams, SpecConfig, SpecMode, SpecStats, StopCause, SubmitError,
-    Timings, TokenConstraint, TokenMask, Usage,
+    BackendError, Completion, ConstraintError, DrafterKind, Engine, EngineConfig, EngineError,
+    EngineMetrics, Event, EventIter, FinishReason, ForwardBackend, ForwardRow, GenerateRequest,
+    KindCounts, KvSlot, RequestHandle, SamplingParams, SpecConfig, SpecMode, SpecStats, StopCause,
+    SubmitError, Timings, TokenConstraint, TokenMask, Usage,
 };
 pub use deepseek4_backend::Deepseek4Backend;
 pub use disk::{DiskCacheConfig, DiskCacheMetrics, DiskCacheState, KV_NUMERICS_VERSION};

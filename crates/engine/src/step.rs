@@ -286,7 +286,7 @@ impl<'t> Loop<'t> {
                 seq.send(Event::Finished {
                     reason,
                     text,
-                    usage,
+                    usage: Box::new(usage),
                     timings,
                 });
             }

@@ -212,6 +212,10 @@ impl TokenConstraint for LazyToolConstraint {
         self.engaged.as_ref().is_some_and(|(_, m)| m.is_finished())
     }
 
+    fn is_free(&self) -> bool {
+        self.engaged.is_none()
+    }
+
     fn rollback(&mut self, n: usize) -> Result<(), ConstraintError> {
         if n > self.history.len() {
             return Err(ConstraintError::Rollback {

@@ -88,6 +88,13 @@ pub trait TokenConstraint: Send {
     /// Whether the output is complete (nothing but end-of-generation may follow), or the
     /// constraint has failed.
     fn is_finished(&self) -> bool;
+    /// Whether the output is free text here: the constraint allows every token it does not
+    /// block outright (special tokens), as a lazy tool-call constraint does until the model
+    /// opens an envelope. Drafters then draft as they would without a constraint (the
+    /// mirror still checks every token). False by default.
+    fn is_free(&self) -> bool {
+        false
+    }
 }
 
 /// Checks the [`TokenConstraint`] contract in the current state of `constraint` for every

@@ -905,7 +905,7 @@ impl StreamEncoder {
                     json!({
                         "type": "message_delta",
                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                        "usage": usage::messages_usage(&[usage]),
+                        "usage": usage::messages_usage(&[*usage]),
                     }),
                 ));
                 out.push(("message_stop", json!({"type": "message_stop"})));
@@ -1090,7 +1090,7 @@ mod tests {
             RunEvent::Done {
                 choice: 0,
                 finish_reason: "tool_calls",
-                usage: usage(),
+                usage: Box::new(usage()),
                 stop_string: None,
             },
         ];
@@ -1125,7 +1125,7 @@ mod tests {
         let out = encode_all(vec![RunEvent::Done {
             choice: 0,
             finish_reason: "stop",
-            usage: usage(),
+            usage: Box::new(usage()),
             stop_string: Some(1),
         }]);
         let delta = &out.iter().find(|(n, _)| *n == "message_delta").unwrap().1;

@@ -289,7 +289,7 @@ impl ChunkEncoder {
                 usage,
                 ..
             } => {
-                self.usage.push(usage);
+                self.usage.push(*usage);
                 let c = self.choice(choice, json!({}), Some(finish_reason));
                 vec![self.chunk(vec![c])]
             }

@@ -223,7 +223,7 @@ fn stream_response(
                     usage: u,
                     ..
                 } => {
-                    usage.push(u);
+                    usage.push(*u);
                     (choice, String::new(), Some(finish_reason))
                 }
                 RunEvent::Failed { message, .. } => {

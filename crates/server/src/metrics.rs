@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use engine::DrafterKind;
 use engine::{EngineMetrics, Timings, Usage};
 
 /// Upper bounds (seconds) of the time-to-first-token histogram buckets.
@@ -215,6 +216,7 @@ impl Metrics {
         );
         render_spec(&mut metric, engine, spec);
         render_disk_cache(&mut metric, engine);
+        render_spec_labelled(&mut out, engine);
         let _ = writeln!(
             out,
             "# HELP lockstep_http_requests_total HTTP requests by endpoint and status."
@@ -420,17 +422,17 @@ fn render_spec(
         (
             "lockstep_spec_suffix_cycles_total",
             "Verify cycles drafted by the cross-request suffix index.",
-            s.suffix_cycles,
+            s.kind(DrafterKind::Suffix).cycles,
         ),
         (
             "lockstep_spec_suffix_drafted_tokens_total",
             "Draft tokens of the cross-request suffix index verified.",
-            s.suffix_drafted,
+            s.kind(DrafterKind::Suffix).drafted,
         ),
         (
             "lockstep_spec_suffix_accepted_tokens_total",
             "Draft tokens of the cross-request suffix index accepted.",
-            s.suffix_accepted,
+            s.kind(DrafterKind::Suffix).accepted,
         ),
     ] {
         metric(name, "counter", help, value.to_string());
@@ -454,4 +456,63 @@ fn render_spec(
          method in the engine's SpecStats docs).",
         format!("{:.6}", s.time_saved_us as f64 / 1e6),
     );
+}
+
+/// The drafter kinds `/metrics` and `usage.speculative` itemise (the test drafters only
+/// when they drafted).
+pub(crate) fn reported_kinds(s: &engine::SpecStats) -> impl Iterator<Item = DrafterKind> + '_ {
+    DrafterKind::ALL.into_iter().filter(|&k| {
+        !matches!(k, DrafterKind::Oracle | DrafterKind::Adversary) || s.kind(k).cycles > 0
+    })
+}
+
+/// The labelled speculation families: no-draft steps by reason, and cycles, drafted and
+/// accepted tokens by drafter.
+fn render_spec_labelled(out: &mut String, engine: &EngineMetrics) {
+    let s = &engine.spec;
+    let _ = writeln!(
+        out,
+        "# HELP lockstep_spec_no_draft_reason_steps_total Decode steps with speculation on and \
+         nothing proposed, by reason (room, backoff, margin, cost: the policy withheld drafts; \
+         nothing: no drafter had a proposal)."
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE lockstep_spec_no_draft_reason_steps_total counter"
+    );
+    for (reason, n) in [
+        ("room", s.no_draft_room),
+        ("backoff", s.no_draft_backoff),
+        ("margin", s.no_draft_margin),
+        ("cost", s.no_draft_cost),
+        ("nothing", s.no_draft_nothing),
+    ] {
+        let _ = writeln!(
+            out,
+            "lockstep_spec_no_draft_reason_steps_total{{reason=\"{reason}\"}} {n}"
+        );
+    }
+    for (name, help, get) in [
+        (
+            "lockstep_spec_drafter_cycles_total",
+            "Verify cycles with draft tokens of each drafter.",
+            (|c: engine::KindCounts| c.cycles) as fn(engine::KindCounts) -> u64,
+        ),
+        (
+            "lockstep_spec_drafter_drafted_tokens_total",
+            "Draft tokens verified, by the drafter that proposed them.",
+            |c| c.drafted,
+        ),
+        (
+            "lockstep_spec_drafter_accepted_tokens_total",
+            "Draft tokens accepted, by the drafter that proposed them.",
+            |c| c.accepted,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for k in reported_kinds(s) {
+            let _ = writeln!(out, "{name}{{drafter=\"{}\"}} {}", k.name(), get(s.kind(k)));
+        }
+    }
 }

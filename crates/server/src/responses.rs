@@ -630,7 +630,7 @@ impl Builder {
             } => {
                 out.extend(self.close_open());
                 self.finish = finish_reason;
-                self.usage = usage;
+                self.usage = *usage;
             }
             RunEvent::Logprobs { .. } | RunEvent::Failed { .. } | RunEvent::Thinking { .. } => {}
         }

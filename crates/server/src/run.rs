@@ -86,7 +86,7 @@ pub enum RunEvent {
         /// OpenAI finish reason (`tool_calls` when the reply holds calls).
         finish_reason: &'static str,
         /// Token counts.
-        usage: Usage,
+        usage: Box<Usage>,
         /// The index of the stop string that ended the choice, if one did.
         stop_string: Option<usize>,
     },
@@ -514,7 +514,7 @@ pub async fn collect(mut run: Run, n: usize) -> Result<Vec<ChoiceResult>, ApiErr
             } => {
                 if let Some(c) = out.get_mut(choice) {
                     c.finish_reason = finish_reason;
-                    c.usage = usage;
+                    c.usage = *usage;
                     c.stop_string = stop_string;
                 }
             }

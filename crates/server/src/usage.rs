@@ -2,6 +2,7 @@
 //! completions of its choices summed) and lockstep's extension field `speculative`, the
 //! request's speculative-decoding counters, present only when the request speculated.
 
+use engine::DrafterKind;
 use engine::{SpecStats, Usage};
 use serde_json::{Value, json};
 
@@ -57,11 +58,27 @@ pub fn speculative_json(s: &SpecStats) -> Value {
         "sched_skips": s.sched_skips,
         "forced": s.forced,
         "time_saved_ms": s.time_saved_us as f64 / 1e3,
-        "suffix": {
-            "cycles": s.suffix_cycles,
-            "drafted": s.suffix_drafted,
-            "accepted": s.suffix_accepted,
+        "no_draft_reasons": {
+            "room": s.no_draft_room,
+            "backoff": s.no_draft_backoff,
+            "margin": s.no_draft_margin,
+            "cost": s.no_draft_cost,
+            "nothing": s.no_draft_nothing,
         },
+        "suffix": {
+            "cycles": s.kind(DrafterKind::Suffix).cycles,
+            "drafted": s.kind(DrafterKind::Suffix).drafted,
+            "accepted": s.kind(DrafterKind::Suffix).accepted,
+        },
+        "by_drafter": crate::metrics::reported_kinds(s)
+            .map(|k| {
+                let c = s.kind(k);
+                (
+                    k.name().to_string(),
+                    json!({"cycles": c.cycles, "drafted": c.drafted, "accepted": c.accepted}),
+                )
+            })
+            .collect::<serde_json::Map<String, Value>>(),
     })
 }
 

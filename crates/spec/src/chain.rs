@@ -46,6 +46,7 @@ fn push_forced(ctx: &DraftContext<'_>, mirror: &mut Mirror<'_>, out: &mut DraftP
         }
     }
     out.forced += n;
+    out.push_run(DrafterKind::FastForward, n);
     n
 }
 
@@ -140,6 +141,10 @@ impl Drafter for Chain {
             }
             free += got.tokens.len() - got.forced;
             let ended = got.tokens.last().is_some_and(|&t| ctx.ends(t));
+            for (kind, n) in got.segments() {
+                out.push_run(kind, n);
+            }
+            out.forced += got.forced;
             out.tokens.extend(got.tokens);
             if ended || !self.fast_forward || out.tokens.len() == before {
                 break;

@@ -170,8 +170,13 @@ pub struct DraftProposal {
     pub tokens: Vec<u32>,
     /// How many of the tokens came from grammar fast-forward (forced by the grammar).
     pub forced: usize,
-    /// Which drafter proposed the non-forced tokens (`None` when there are none).
+    /// Which drafter proposed the non-forced tokens (`None` when there are none; the
+    /// first one when several did).
     pub source: Option<DrafterKind>,
+    /// Which drafter proposed each run of `tokens`, in order: `(kind, run length)`,
+    /// grammar-forced runs as [`DrafterKind::FastForward`]. Empty = not itemised: see
+    /// [`DraftProposal::segments`].
+    pub runs: Vec<(DrafterKind, usize)>,
     /// Wall time the proposal took, in microseconds (the cost model charges costly kinds).
     pub cost_us: u64,
 }
@@ -180,6 +185,36 @@ impl DraftProposal {
     /// Number of draft tokens.
     pub fn len(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// Who proposed which tokens: [`DraftProposal::runs`] when itemised, else the forced
+    /// tokens first, then the rest as `source`'s. The runs cover exactly `tokens`.
+    pub fn segments(&self) -> Vec<(DrafterKind, usize)> {
+        let n = self.tokens.len();
+        if self.runs.iter().map(|r| r.1).sum::<usize>() == n && !self.runs.is_empty() {
+            return self.runs.clone();
+        }
+        let forced = self.forced.min(n);
+        let mut out = Vec::new();
+        if forced > 0 {
+            out.push((DrafterKind::FastForward, forced));
+        }
+        if n > forced {
+            out.push((self.source.unwrap_or(DrafterKind::FastForward), n - forced));
+        }
+        out
+    }
+
+    /// Appends `n` tokens' attribution to `kind` to [`DraftProposal::runs`] (merged
+    /// with the last run of the same kind).
+    pub fn push_run(&mut self, kind: DrafterKind, n: usize) {
+        if n == 0 {
+            return;
+        }
+        match self.runs.last_mut() {
+            Some(last) if last.0 == kind => last.1 += n,
+            _ => self.runs.push((kind, n)),
+        }
     }
 
     /// Whether nothing was proposed.
@@ -256,9 +291,12 @@ impl<'a> Mirror<'a> {
         }
     }
 
-    /// Whether a grammar constrains the drafts.
+    /// Whether a grammar constrains the drafts here: false without a constraint and while
+    /// the constraint leaves the output free ([`TokenConstraint::is_free`]: a lazy
+    /// tool-call constraint before the envelope opens). Every drafted token is checked
+    /// either way.
     pub fn is_constrained(&self) -> bool {
-        self.inner.is_some()
+        self.inner.as_ref().is_some_and(|c| !c.is_free())
     }
 
     /// Whether drafting must stop here (finished, failed or all masked).

@@ -41,7 +41,7 @@ pub use policy::{
     Acceptance, CURVE_ROWS, CostModel, Gate, MIN_GAIN, Plan, PolicyConfig, SeqPolicy, best_k,
     best_k_by, expected_rate,
 };
-pub use stats::SpecStats;
+pub use stats::{KindCounts, SpecStats};
 pub use suffix::{MAX_SCAN, RECENT, SuffixConfig, SuffixCounters, SuffixDrafter, SuffixIndex};
 #[cfg(any(test, feature = "testing"))]
 pub use testing::{Adversary, Oracle};

@@ -1,6 +1,18 @@
 //! Speculation counters, per request and aggregated.
 
 use crate::drafter::DrafterKind;
+use crate::policy::Gate;
+
+/// One drafter kind's share of the verify cycles (see [`SpecStats::by_kind`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct KindCounts {
+    /// Verify cycles with at least one draft token of this kind.
+    pub cycles: u64,
+    /// Draft tokens of this kind verified.
+    pub drafted: u64,
+    /// Of those, accepted.
+    pub accepted: u64,
+}
 
 /// Speculation counters of one request (in `Usage`) or of the whole engine (in its
 /// metrics). All plain integers, so they add up exactly.
@@ -8,12 +20,18 @@ use crate::drafter::DrafterKind;
 /// Definitions:
 /// - a **cycle** is a step in which the sequence verified at least one draft row;
 ///   **full** / **partial** / **miss** cycles accepted all / some / none of their drafts;
-/// - **no-draft** steps are decode steps with speculation on where nothing was proposed
-///   (the policy paused or gated drafting, or no drafter had anything);
+/// - **no-draft** steps are decode steps with speculation on where nothing was proposed,
+///   split by why: the policy's gates (**room**: too close to `max_tokens` or the context
+///   end; **back-off** after unproductive cycles; the **margin** gate; the **cost** model
+///   expected no gain) or **nothing**: drafting was allowed but no drafter had a
+///   proposal (no match, the grammar refused it);
 /// - **scheduler skips** are steps in which proposed drafts were dropped because the
 ///   step's row budget or the KV pool did not grant their rows;
 /// - **drafted** / **accepted** count draft tokens (grammar-forced ones included, also
 ///   counted in **forced**); a draft token is accepted when the target chose it;
+/// - **by kind**: the same per drafter kind, each token counted for the drafter that
+///   proposed it (forced tokens as fast-forward's); accepted tokens over the output tokens
+///   is that drafter's *coverage*;
 /// - **time saved** (µs, may be negative) = Σ over cycles of `accepted × t1 − (k × r +
 ///   draft)`, where `t1` is the measured time of a one-row decode step, `r` the measured
 ///   marginal time of one more row in a step (both from the engine's linear fit of step
@@ -34,20 +52,28 @@ pub struct SpecStats {
     pub partial: u64,
     /// Cycles that accepted no draft.
     pub miss: u64,
-    /// Decode steps with speculation on and nothing proposed.
+    /// Decode steps with speculation on and nothing proposed (the sum of the `no_draft_*`
+    /// reasons).
     pub no_draft: u64,
+    /// No-draft steps for lack of room (`max_tokens` or the context end).
+    pub no_draft_room: u64,
+    /// No-draft steps paused by the back-off after unproductive cycles.
+    pub no_draft_backoff: u64,
+    /// No-draft steps withheld by the margin gate.
+    pub no_draft_margin: u64,
+    /// No-draft steps withheld by the cost model (no kind expected to pay).
+    pub no_draft_cost: u64,
+    /// No-draft steps where drafting was allowed and no drafter proposed anything.
+    pub no_draft_nothing: u64,
     /// Steps whose drafts were cut by the scheduler (row budget or KV).
     pub sched_skips: u64,
     /// Draft tokens that were grammar-forced (fast-forward).
     pub forced: u64,
     /// Estimated wall time saved against plain decoding, in microseconds (see above).
     pub time_saved_us: i64,
-    /// Cycles whose non-forced drafts came from the cross-request suffix drafter.
-    pub suffix_cycles: u64,
-    /// Non-forced draft tokens of the suffix drafter verified.
-    pub suffix_drafted: u64,
-    /// Of those, accepted.
-    pub suffix_accepted: u64,
+    /// Per drafter kind (index = [`DrafterKind::index`]): cycles, drafted and accepted
+    /// tokens of that kind.
+    pub by_kind: [KindCounts; DrafterKind::COUNT],
 }
 
 impl SpecStats {
@@ -69,6 +95,11 @@ impl SpecStats {
         }
     }
 
+    /// The counts of drafter `kind`.
+    pub fn kind(&self, kind: DrafterKind) -> KindCounts {
+        self.by_kind[kind.index()]
+    }
+
     /// Adds `other`'s counters to these.
     pub fn add(&mut self, other: &SpecStats) {
         self.cycles += other.cycles;
@@ -78,21 +109,58 @@ impl SpecStats {
         self.partial += other.partial;
         self.miss += other.miss;
         self.no_draft += other.no_draft;
+        self.no_draft_room += other.no_draft_room;
+        self.no_draft_backoff += other.no_draft_backoff;
+        self.no_draft_margin += other.no_draft_margin;
+        self.no_draft_cost += other.no_draft_cost;
+        self.no_draft_nothing += other.no_draft_nothing;
         self.sched_skips += other.sched_skips;
         self.forced += other.forced;
         self.time_saved_us += other.time_saved_us;
-        self.suffix_cycles += other.suffix_cycles;
-        self.suffix_drafted += other.suffix_drafted;
-        self.suffix_accepted += other.suffix_accepted;
+        for (a, b) in self.by_kind.iter_mut().zip(other.by_kind.iter()) {
+            a.cycles += b.cycles;
+            a.drafted += b.drafted;
+            a.accepted += b.accepted;
+        }
     }
 
-    /// Records the non-forced part of a cycle by `kind`: `accepted` of `drafted` (only the
-    /// suffix drafter has counters of its own).
-    pub fn record_source(&mut self, kind: Option<DrafterKind>, drafted: usize, accepted: usize) {
-        if kind == Some(DrafterKind::Suffix) && drafted > 0 {
-            self.suffix_cycles += 1;
-            self.suffix_drafted += drafted as u64;
-            self.suffix_accepted += accepted as u64;
+    /// Records a decode step without a draft: `gate` is the policy's reason when it
+    /// withheld drafting, `None` when drafting was allowed and nothing was proposed.
+    pub fn record_no_draft(&mut self, gate: Option<Gate>) {
+        self.no_draft += 1;
+        match gate {
+            Some(Gate::Room) => self.no_draft_room += 1,
+            Some(Gate::BackOff) => self.no_draft_backoff += 1,
+            Some(Gate::Margin) => self.no_draft_margin += 1,
+            Some(Gate::Cost) => self.no_draft_cost += 1,
+            None => self.no_draft_nothing += 1,
+        }
+    }
+
+    /// Records who proposed the `drafted` tokens of a cycle (`segments`: `(kind, run)` in
+    /// order, as [`crate::DraftProposal::segments`]; runs past `drafted`, cut by the
+    /// scheduler, are ignored) of which the first `accepted` were accepted.
+    pub fn record_segments(
+        &mut self,
+        segments: &[(DrafterKind, usize)],
+        drafted: usize,
+        accepted: usize,
+    ) {
+        let mut at = 0usize;
+        let mut seen = [false; DrafterKind::COUNT];
+        for &(kind, run) in segments {
+            let run = run.min(drafted.saturating_sub(at));
+            if run == 0 {
+                continue;
+            }
+            let c = &mut self.by_kind[kind.index()];
+            if !seen[kind.index()] {
+                seen[kind.index()] = true;
+                c.cycles += 1;
+            }
+            c.drafted += run as u64;
+            c.accepted += accepted.saturating_sub(at).min(run) as u64;
+            at += run;
         }
     }
 
@@ -137,5 +205,54 @@ mod tests {
         t.add(&s);
         t.add(&s);
         assert_eq!(t.drafted, 22);
+    }
+
+    #[test]
+    fn accepted_tokens_are_credited_to_the_drafter_that_proposed_them() {
+        let mut s = SpecStats::default();
+        // Forced 2, suffix 3, forced 1, n-gram 2: the first 6 accepted.
+        let segs = [
+            (DrafterKind::FastForward, 2),
+            (DrafterKind::Suffix, 3),
+            (DrafterKind::FastForward, 1),
+            (DrafterKind::Ngram, 2),
+        ];
+        s.record_segments(&segs, 8, 6);
+        let ff = s.kind(DrafterKind::FastForward);
+        assert_eq!((ff.cycles, ff.drafted, ff.accepted), (1, 3, 3));
+        let sx = s.kind(DrafterKind::Suffix);
+        assert_eq!((sx.cycles, sx.drafted, sx.accepted), (1, 3, 3));
+        let ng = s.kind(DrafterKind::Ngram);
+        assert_eq!((ng.cycles, ng.drafted, ng.accepted), (1, 2, 0));
+        // The scheduler cut the block to 4 rows: the n-gram's run was never verified.
+        let mut t = SpecStats::default();
+        t.record_segments(&segs, 4, 4);
+        assert_eq!(t.kind(DrafterKind::Ngram), KindCounts::default());
+        assert_eq!(t.kind(DrafterKind::Suffix).drafted, 2);
+    }
+
+    #[test]
+    fn no_draft_steps_are_split_by_reason() {
+        let mut s = SpecStats::default();
+        s.record_no_draft(Some(Gate::Cost));
+        s.record_no_draft(Some(Gate::Cost));
+        s.record_no_draft(Some(Gate::BackOff));
+        s.record_no_draft(Some(Gate::Room));
+        s.record_no_draft(Some(Gate::Margin));
+        s.record_no_draft(None);
+        assert_eq!(s.no_draft, 6);
+        assert_eq!(
+            (
+                s.no_draft_cost,
+                s.no_draft_backoff,
+                s.no_draft_room,
+                s.no_draft_margin,
+                s.no_draft_nothing
+            ),
+            (2, 1, 1, 1, 1)
+        );
+        let mut t = SpecStats::default();
+        t.add(&s);
+        assert_eq!(t, s);
     }
 }

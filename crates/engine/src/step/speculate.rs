@@ -27,6 +27,8 @@ pub(super) struct SeqSpec {
     pub(super) forced: usize,
     /// The drafter kind of the non-forced drafts.
     pub(super) source: Option<DrafterKind>,
+    /// Which drafter proposed which of the drafts (`(kind, run)` in order).
+    pub(super) segments: Vec<(DrafterKind, usize)>,
     /// Drafting time of this step's proposal (costly drafters), µs.
     pub(super) cost_us: u64,
     /// The top1 − top2 margin of the logits that chose the last committed token.
@@ -59,6 +61,7 @@ impl SeqSpec {
             drafts: Vec::new(),
             forced: 0,
             source: None,
+            segments: Vec::new(),
             cost_us: 0,
             margin: None,
         })
@@ -86,6 +89,7 @@ impl Loop<'_> {
             sp.drafts.clear();
             sp.forced = 0;
             sp.source = None;
+            sp.segments.clear();
             sp.cost_us = 0;
             if s.slot.is_none() || s.computed + 1 != s.tokens.len() {
                 continue;
@@ -99,8 +103,8 @@ impl Loop<'_> {
             let room = by_max.min(by_ctx).min(sp.cfg.max_draft);
             let plan = sp.policy.plan(&sp.cfg, &self.cost, room, sp.margin);
             if room == 0 || (plan.max_draft == 0 && s.constraint.is_none()) {
-                sp.stats.no_draft += 1;
-                self.metrics.spec.no_draft += 1;
+                sp.stats.record_no_draft(plan.gate);
+                self.metrics.spec.record_no_draft(plan.gate);
                 continue;
             }
             let allow_costly = !sp.cfg.cost_model || self.cost.costly_pays(room);
@@ -138,12 +142,13 @@ impl Loop<'_> {
                 );
             }
             if prop.tokens.is_empty() {
-                sp.stats.no_draft += 1;
-                self.metrics.spec.no_draft += 1;
+                sp.stats.record_no_draft(plan.gate);
+                self.metrics.spec.record_no_draft(plan.gate);
                 continue;
             }
             sp.forced = prop.forced.min(prop.tokens.len());
             sp.source = prop.source;
+            sp.segments = prop.segments();
             sp.cost_us = prop.cost_us;
             sp.drafts = prop.tokens;
         }
@@ -156,13 +161,14 @@ impl Loop<'_> {
     /// is truncated to the committed length and the drafter told what was committed.
     pub(super) fn verify_at(&mut self, at: usize, logits: Logits<'_>) -> Option<Exit> {
         let n = self.limits.n_vocab;
-        let (drafts, forced, source, cost_us) = {
+        let (drafts, forced, source, segments, cost_us) = {
             let s = &mut self.running[at];
             let sp = s.spec.as_mut()?;
             (
                 std::mem::take(&mut sp.drafts),
                 sp.forced,
                 sp.source,
+                std::mem::take(&mut sp.segments),
                 sp.cost_us,
             )
         };
@@ -206,11 +212,11 @@ impl Loop<'_> {
         self.metrics
             .spec
             .record_cycle(k, forced.min(k), accepted, saved_us);
-        self.metrics.spec.record_source(source, free, free_accepted);
+        self.metrics.spec.record_segments(&segments, k, accepted);
         let s = &mut self.running[at];
         if let Some(sp) = s.spec.as_mut() {
             sp.stats.record_cycle(k, forced.min(k), accepted, saved_us);
-            sp.stats.record_source(source, free, free_accepted);
+            sp.stats.record_segments(&segments, k, accepted);
             sp.policy.record(source, free, free_accepted);
         }
         if exit.is_some() {

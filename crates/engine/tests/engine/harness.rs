@@ -79,7 +79,7 @@ pub fn collect(h: RequestHandle) -> Run {
                 text,
                 usage,
                 ..
-            } => run.finish = Some((reason, text, usage)),
+            } => run.finish = Some((reason, text, *usage)),
             Event::Error(e) => run.error = Some(e),
             tok => run.tokens.push(tok),
         }

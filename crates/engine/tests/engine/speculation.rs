@@ -9,7 +9,7 @@ use lockstep_engine::{
     Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams, SpecConfig, SpecStats,
     StopCause, TokenConstraint,
 };
-use spec::{Adversary, DrafterSet, NgramConfig, Oracle, PolicyConfig};
+use spec::{Adversary, DrafterKind, DrafterSet, NgramConfig, Oracle, PolicyConfig};
 
 /// [`assert_spec_equals_plain`] on one request, `cached_tokens` aside: requests with one
 /// prompt are submitted together, and whether the second finds the first's prompt blocks
@@ -398,11 +398,15 @@ fn cross_request_suffix_drafts_are_verified_and_the_output_is_plain_decoding() {
                 let n = got.len();
                 for (i, r) in got[n - 2..].iter().enumerate() {
                     let t = r.spec();
-                    assert!(t.suffix_accepted > 0, "{name} grammar {i}: {t:?}");
+                    assert!(
+                        t.kind(DrafterKind::Suffix).accepted > 0,
+                        "{name} grammar {i}: {t:?}"
+                    );
                 }
                 let t = total(&got);
                 assert!(
-                    t.suffix_accepted * 10 >= t.suffix_drafted * 9,
+                    t.kind(DrafterKind::Suffix).accepted * 10
+                        >= t.kind(DrafterKind::Suffix).drafted * 9,
                     "{name} round 2: {t:?}"
                 );
             }
@@ -410,19 +414,25 @@ fn cross_request_suffix_drafts_are_verified_and_the_output_is_plain_decoding() {
         }
         let t = total(&all);
         assert!(
-            t.suffix_cycles > 0 && t.suffix_accepted > 0,
+            t.kind(DrafterKind::Suffix).cycles > 0 && t.kind(DrafterKind::Suffix).accepted > 0,
             "{name}: {t:?}"
         );
         if name == "always" {
             assert!(
-                t.suffix_accepted < t.suffix_drafted,
+                t.kind(DrafterKind::Suffix).accepted < t.kind(DrafterKind::Suffix).drafted,
                 "{name}: proposed, accepted and rejected: {t:?}"
             );
         }
         let m = e.metrics();
         assert_eq!(
-            (m.spec.suffix_drafted, m.spec.suffix_accepted),
-            (t.suffix_drafted, t.suffix_accepted),
+            (
+                m.spec.kind(DrafterKind::Suffix).drafted,
+                m.spec.kind(DrafterKind::Suffix).accepted
+            ),
+            (
+                t.kind(DrafterKind::Suffix).drafted,
+                t.kind(DrafterKind::Suffix).accepted
+            ),
             "{name}: engine aggregate"
         );
         assert!(m.spec_suffix_stored_tokens > 0, "{name}");
