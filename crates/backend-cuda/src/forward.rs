@@ -461,13 +461,15 @@ impl CudaBackend {
         self.summarized = 0;
         let nl = self.run_forward(rows, Tail::Argmax)?;
         let dev = &self.model.dev;
-        let Some(s) = self.scratch.as_ref() else {
-            return Err(BackendError::Internal("no scratch after a forward".into()));
-        };
+        // No row wants logits (an empty batch included, which leaves no scratch): nothing
+        // to read, as the CPU backend returns nothing.
         if nl == 0 {
             dev.sync().map_err(be)?;
             return Ok(Vec::new());
         }
+        let Some(s) = self.scratch.as_ref() else {
+            return Err(BackendError::Internal("no scratch after a forward".into()));
+        };
         let ids = dev.read(&s.ids, nl).map_err(be)?;
         Ok(ids.into_iter().map(|v| v as u32).collect())
     }
@@ -645,12 +647,14 @@ impl ForwardBackend for CudaBackend {
         let nl = self.run_forward(rows, Tail::Logits)?;
         let dev = &self.model.dev;
         logits.clear();
-        let Some(s) = self.scratch.as_ref() else {
-            return Err(BackendError::Internal("no scratch after a forward".into()));
-        };
+        // No row wants logits (an empty batch included, which leaves no scratch): nothing
+        // to read, as the CPU backend returns nothing.
         if nl == 0 {
             return dev.sync().map_err(be);
         }
+        let Some(s) = self.scratch.as_ref() else {
+            return Err(BackendError::Internal("no scratch after a forward".into()));
+        };
         logits.resize(nl * self.model.cfg.n_vocab, 0.0);
         dev.read_into(&s.logits, 0, logits).map_err(be)
     }
@@ -668,12 +672,14 @@ impl ForwardBackend for CudaBackend {
         self.summarized = 0;
         let nl = self.run_forward(rows, Tail::Summary)?;
         let dev = &self.model.dev;
-        let Some(s) = self.scratch.as_ref() else {
-            return Err(BackendError::Internal("no scratch after a forward".into()));
-        };
+        // No row wants logits (an empty batch included, which leaves no scratch): nothing
+        // to read, as the CPU backend returns nothing.
         if nl == 0 {
             return dev.sync().map_err(be);
         }
+        let Some(s) = self.scratch.as_ref() else {
+            return Err(BackendError::Internal("no scratch after a forward".into()));
+        };
         let raw = dev.read(&s.sums, nl * SUMMARY_STRIDE).map_err(be)?;
         summaries.extend(raw.chunks_exact(SUMMARY_STRIDE).map(summary_of));
         self.summarized = nl;

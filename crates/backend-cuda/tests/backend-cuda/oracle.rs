@@ -509,6 +509,22 @@ fn forward_matches_cpu_model_bit_for_bit() {
 }
 
 #[test]
+fn an_empty_batch_on_a_new_backend_answers_as_the_cpu_does() {
+    // Before any forward there is no scratch; an empty batch must not need one.
+    let g = tiny_model("llama", GgmlType::Q8_0, None, "llama-q8-empty");
+    let mut cpu = cpu_backend(&g);
+    let mut gpu = cuda_backend(&g);
+    let (mut lc, mut lg) = (vec![1.0f32], vec![1.0f32]);
+    cpu.forward(&[], &mut lc).unwrap();
+    gpu.forward(&[], &mut lg).unwrap();
+    assert_eq!((lc.len(), lg.len()), (0, 0));
+    let mut sums = Vec::new();
+    gpu.forward_summaries(&[], &mut sums).unwrap();
+    assert!(sums.is_empty());
+    assert_eq!(gpu.forward_greedy(&[]).unwrap(), Vec::<u32>::new());
+}
+
+#[test]
 fn prefill_with_tensor_cores_matches_cpu_model_bit_for_bit() {
     // Chunks of 17 rows and more take the tensor-core matmuls (Q4_K, Q6_K and the 32-element
     // block formats):
