@@ -103,6 +103,38 @@ impl BlockAllocator {
         self.refcount.get(block as usize).copied().unwrap_or(0)
     }
 
+    /// The blocks a prepare takes from this pool (ARCHITECTURE.md, `crates/backend-cpu`:
+    /// "the blocks a prepare takes"), for a sequence whose table here is `blocks`
+    /// (logical order; released entries are never shared) over `len` positions of
+    /// `block_size`: cutting back to `from` keeps the blocks before it (all of them when
+    /// `from` is at or past `len`), reserving up to `to` allocates the blocks past those,
+    /// and copy-on-write copies each kept block at or after `from` that another sequence
+    /// shares. Every backend over this allocator (the CPU `KvCache`, the CUDA backend's
+    /// device pool) answers `kv_blocks_needed` with it.
+    pub fn blocks_needed(
+        &self,
+        blocks: &[u32],
+        len: usize,
+        block_size: usize,
+        from: usize,
+        to: usize,
+    ) -> usize {
+        let bs = block_size.max(1);
+        let kept = if from < len {
+            from.div_ceil(bs).min(blocks.len())
+        } else {
+            blocks.len()
+        };
+        let new = to.div_ceil(bs).saturating_sub(kept);
+        let shared = blocks
+            .get(from / bs..kept)
+            .unwrap_or_default()
+            .iter()
+            .filter(|&&b| self.refcount(b) > 1)
+            .count();
+        new + shared
+    }
+
     /// Blocks currently free.
     pub fn free_count(&self) -> usize {
         self.free.len()

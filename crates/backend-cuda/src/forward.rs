@@ -587,21 +587,8 @@ impl ForwardBackend for CudaBackend {
         let (Ok(seq), Ok(kv)) = (self.seq(slot), self.kv_ref()) else {
             return 0;
         };
-        let bs = kv.bsz;
-        let kept = if from < seq.len {
-            from.div_ceil(bs).min(seq.blocks.len())
-        } else {
-            seq.blocks.len()
-        };
-        let new = to.div_ceil(bs).saturating_sub(kept);
-        let shared = seq
-            .blocks
-            .get(from / bs..kept)
-            .unwrap_or_default()
-            .iter()
-            .filter(|&&b| kv.alloc.refcount(b) > 1)
-            .count();
-        new + shared
+        kv.alloc
+            .blocks_needed(&seq.blocks, seq.len, kv.bsz, from, to)
     }
 
     fn kv_truncate(&mut self, slot: KvSlot, len: usize) {

@@ -110,25 +110,10 @@ fn accounting_group(kv: &KvCache) -> usize {
 /// most as many.
 fn blocks_needed(kv: &KvCache, seq: &SeqKv, from: usize, to: usize) -> usize {
     let g = accounting_group(kv);
-    let bs = kv.config().block_size.max(1);
-    let Some(table) = seq.table(g) else { return 0 };
-    let blocks = table.blocks();
-    let kept = if from < seq.len() {
-        from.div_ceil(bs).min(blocks.len())
-    } else {
-        blocks.len()
+    let (Some(table), Some(alloc)) = (seq.table(g), kv.allocator(g)) else {
+        return 0;
     };
-    let new = to.div_ceil(bs).saturating_sub(kept);
-    let shared = match kv.allocator(g) {
-        Some(a) => blocks
-            .get(from / bs..kept)
-            .unwrap_or_default()
-            .iter()
-            .filter(|&&b| a.refcount(b) > 1)
-            .count(),
-        None => 0,
-    };
-    new + shared
+    alloc.blocks_needed(table.blocks(), seq.len(), kv.config().block_size, from, to)
 }
 
 /// Grows every sliding pool that has fewer than `needed` free blocks: doubling, at least

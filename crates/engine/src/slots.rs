@@ -126,25 +126,10 @@ impl SlotTable {
         to: usize,
     ) -> usize {
         let Ok(seq) = self.get(slot) else { return 0 };
-        let bs = kv.config().block_size.max(1);
-        let Some(table) = seq.table(0) else { return 0 };
-        let blocks = table.blocks();
-        let kept = if from < seq.len() {
-            from.div_ceil(bs).min(blocks.len())
-        } else {
-            blocks.len()
+        let (Some(table), Some(alloc)) = (seq.table(0), kv.allocator(0)) else {
+            return 0;
         };
-        let new = to.div_ceil(bs).saturating_sub(kept);
-        let shared = match kv.allocator(0) {
-            Some(a) => blocks
-                .get(from / bs..kept)
-                .unwrap_or_default()
-                .iter()
-                .filter(|&&b| a.refcount(b) > 1)
-                .count(),
-            None => 0,
-        };
-        new + shared
+        alloc.blocks_needed(table.blocks(), seq.len(), kv.config().block_size, from, to)
     }
 
     pub(crate) fn truncate(&mut self, kv: &mut KvCache, slot: KvSlot, len: usize) {

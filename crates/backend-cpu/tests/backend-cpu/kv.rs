@@ -184,6 +184,47 @@ fn forked_sequences_share_blocks_until_copied_on_write() {
 }
 
 #[test]
+fn blocks_needed_is_what_a_prepare_takes() {
+    // Cut back to `from`, reserve up to `to`, copy shared blocks at or after `from`: the
+    // free count drops by exactly what `BlockAllocator::blocks_needed` said.
+    let cases = [
+        (6, 6, 6),
+        (6, 5, 9),
+        (6, 2, 3),
+        (6, 8, 13),
+        (6, 0, 4),
+        (3, 4, 4),
+    ];
+    for (len, from, to) in cases {
+        for shared in [false, true] {
+            let mut kv = KvCache::new(config(vec![None], KvType::F16)).unwrap();
+            let mut a = kv.new_sequence();
+            kv.reserve(&mut a, len).unwrap();
+            let mut b = if shared {
+                kv.fork(&a)
+            } else {
+                kv.new_sequence()
+            };
+            if !shared {
+                kv.reserve(&mut b, len).unwrap();
+            }
+            let alloc = kv.allocator(0).unwrap();
+            let need = alloc.blocks_needed(b.table(0).unwrap().blocks(), b.len(), 4, from, to);
+            let before = alloc.free_count();
+            kv.truncate(&mut b, from);
+            let after_cut = kv.allocator(0).unwrap().free_count();
+            kv.reserve(&mut b, to).unwrap();
+            kv.make_writable(&mut b, from).unwrap();
+            let taken = after_cut - kv.allocator(0).unwrap().free_count();
+            assert_eq!(
+                need, taken,
+                "len {len}, from {from}, to {to}, shared {shared} (free before {before})"
+            );
+        }
+    }
+}
+
+#[test]
 fn values_round_trip_through_f16_and_f32() {
     for kv_type in [KvType::F16, KvType::F32] {
         let mut kv = KvCache::new(config(vec![None], kv_type)).unwrap();
