@@ -1,7 +1,7 @@
 //! The drafter interface: what a drafter sees ([`DraftContext`]), the grammar mirror it
 //! masks with ([`Mirror`] over a fork of the request's [`TokenConstraint`]), and what it returns ([`DraftProposal`]).
 
-use sampling::{SamplingParams, TokenConstraint, TokenMask};
+use sampling::{Choice, ChoiceContext, Sampler, SamplingParams, TokenConstraint, TokenMask};
 
 /// Which drafter produced a token (counters and the cost model are kept per kind).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -160,6 +160,31 @@ impl DraftContext<'_> {
     /// Whether `token` ends the output (drafting past it is pointless).
     pub fn ends(&self, token: u32) -> bool {
         self.eos_ends && self.eos.contains(&token)
+    }
+
+    /// The coupled draft choice (ARCHITECTURE.md, `crates/spec`: drafts "coupled to the
+    /// target through the same sampling noise"): the token the target's sampling rule, with
+    /// the request's parameters and seed, picks from a drafter's `logits` for absolute
+    /// `position`, after the output `generated` (the committed output and the drafts before
+    /// this one), among `allowed` (the grammar mirror's mask there, `None` when free). Where
+    /// the drafter's logits equal the target's, the draft is the target's choice. The draft
+    /// model and DSpark choose every draft through it; `None` when the sampler refuses.
+    pub fn coupled_choice(
+        &self,
+        sampler: &mut Sampler,
+        logits: &[f32],
+        generated: &[u32],
+        position: usize,
+        allowed: Option<&TokenMask>,
+    ) -> Option<Choice> {
+        let cctx = ChoiceContext {
+            prompt_tokens: &self.tokens[..self.prompt_len.min(self.tokens.len())],
+            generated_tokens: generated,
+            position: position as u64,
+        };
+        sampler
+            .choose(logits, &cctx, self.params, allowed, self.never)
+            .ok()
     }
 }
 

@@ -26,7 +26,7 @@
 
 use crate::drafter::{DraftContext, DraftProposal, Drafter, DrafterKind, Mirror};
 use model::{Dspark, DsparkBlock, DsparkScratch, DsparkState};
-use sampling::{ChoiceContext, Sampler};
+use sampling::Sampler;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Counters of one DSpark drafter (all sequences that use it), for tests, the CLI and
@@ -308,8 +308,7 @@ impl Drafter for DsparkDrafter {
             model.target().config().n_embd,
             model.target().config().n_vocab,
         );
-        let prompt = &ctx.tokens[..ctx.prompt_len.min(ctx.tokens.len())];
-        let mut generated: Vec<u32> = ctx.tokens[prompt.len()..].to_vec();
+        let mut generated: Vec<u32> = ctx.tokens[ctx.prompt_len.min(ctx.tokens.len())..].to_vec();
         let mut prev = ctx.tokens[ctx.tokens.len() - 1];
         let (mut conf_stop, mut mask_stop) = (false, false);
         for j in 0..k {
@@ -338,15 +337,13 @@ impl Drafter for DsparkDrafter {
                 break;
             }
             // Slot `slot` sits at `committed − 1 + slot` and predicts the next position.
-            let cctx = ChoiceContext {
-                prompt_tokens: prompt,
-                generated_tokens: &generated,
-                position: (committed + slot) as u64,
-            };
-            let Ok(choice) =
-                self.sampler
-                    .choose(&self.logits, &cctx, ctx.params, allowed, ctx.never)
-            else {
+            let Some(choice) = ctx.coupled_choice(
+                &mut self.sampler,
+                &self.logits,
+                &generated,
+                committed + slot,
+                allowed,
+            ) else {
                 break;
             };
             let t = choice.token;
