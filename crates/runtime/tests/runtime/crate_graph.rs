@@ -1,7 +1,9 @@
 //! The crate graph of ARCHITECTURE.md ("Crate graph") holds: `cargo metadata` gives each
 //! workspace crate's normal and build dependencies, and no crate reaches, directly or
 //! through others, a crate its "never depends on" line names; the server's own
-//! `Cargo.toml` names none of the crates only the runtime may assemble a model from.
+//! `Cargo.toml` names none of the crates only the runtime may assemble a model from. The
+//! graph drawn in ARCHITECTURE.md is the one `cargo metadata` gives, and every "never
+//! depends on" line there is in the table checked here.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
@@ -172,5 +174,146 @@ fn the_checker_follows_edges_through_other_crates() {
     assert_eq!(
         reached.get("runtime").map(Vec::as_slice),
         Some(&["server".to_string(), "runtime".to_string()][..])
+    );
+}
+
+/// The arrows of ARCHITECTURE.md's crate graph (the code block under "### Crate graph"):
+/// `name → a, b,` lines (a line without an arrow continues the one before), and
+/// `x, y → (none)` for crates without lockstep dependencies.
+fn documented_graph() -> BTreeMap<String, BTreeSet<String>> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ARCHITECTURE.md");
+    let doc = std::fs::read_to_string(&path).expect("ARCHITECTURE.md is readable");
+    let section = doc
+        .split_once("### Crate graph")
+        .expect("ARCHITECTURE.md has a \"Crate graph\" section")
+        .1;
+    let block = section
+        .split("```")
+        .nth(1)
+        .expect("the crate graph section has a code block");
+    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut current: Vec<String> = Vec::new();
+    let list = |s: &str| -> Vec<String> {
+        s.split(',')
+            .map(str::trim)
+            .filter(|d| !d.is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    for line in block.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let deps = match line.split_once('→') {
+            Some((names, deps)) => {
+                current = list(names);
+                for n in &current {
+                    assert!(
+                        g.insert(n.clone(), BTreeSet::new()).is_none(),
+                        "{n} has two lines"
+                    );
+                }
+                deps
+            }
+            None => line,
+        };
+        if deps.trim() == "(none)" {
+            continue;
+        }
+        for n in &current {
+            g.get_mut(n)
+                .expect("a line of the graph")
+                .extend(list(deps));
+        }
+    }
+    g
+}
+
+#[test]
+fn the_documented_crate_graph_is_the_crate_graph() {
+    // Every arrow in ARCHITECTURE.md is a dependency, and every dependency an arrow.
+    let documented = documented_graph();
+    let actual = graph();
+    let mut wrong = Vec::new();
+    for name in documented
+        .keys()
+        .chain(actual.keys())
+        .collect::<BTreeSet<_>>()
+    {
+        let (d, a) = (documented.get(name), actual.get(name));
+        if d != a {
+            wrong.push(format!("{name}: documented {d:?}, Cargo.toml {a:?}"));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "ARCHITECTURE.md's crate graph is wrong:\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// Each crate section's "Never depends on:" names in ARCHITECTURE.md (the backticked names
+/// up to the end of the clause; "any other lockstep crate" is `*`).
+fn documented_never() -> BTreeMap<String, BTreeSet<String>> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ARCHITECTURE.md");
+    let doc = std::fs::read_to_string(&path).expect("ARCHITECTURE.md is readable");
+    let mut out = BTreeMap::new();
+    for section in doc.split("### `crates/").skip(1) {
+        let Some((name, body)) = section.split_once('`') else {
+            continue;
+        };
+        let body = body.split("\n## ").next().unwrap_or_default();
+        let flat = body.split_whitespace().collect::<Vec<_>>().join(" ");
+        let Some((_, clause)) = flat.split_once("Never depends on:") else {
+            continue;
+        };
+        let end = [clause.find(';'), clause.find(". ")]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(clause.len());
+        let clause = &clause[..end];
+        let names: BTreeSet<String> = if clause.contains("any other lockstep crate") {
+            ["*".to_string()].into()
+        } else {
+            clause
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .map(str::to_string)
+                .collect()
+        };
+        out.insert(name.to_string(), names);
+    }
+    out
+}
+
+#[test]
+fn every_never_line_of_the_architecture_is_checked() {
+    // What ARCHITECTURE.md promises, the NEVER table (at least) enforces.
+    let documented = documented_never();
+    assert!(
+        documented.len() >= 10,
+        "the never lines were not found: {documented:?}"
+    );
+    let members = graph();
+    let mut unchecked = Vec::new();
+    for (name, names) in &documented {
+        let checked: BTreeSet<&str> = NEVER
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, never)| never.iter().copied().collect())
+            .unwrap_or_default();
+        for n in names {
+            assert!(
+                n == "*" || members.contains_key(n),
+                "{name}'s never line names {n}, not a workspace crate"
+            );
+            if !checked.contains("*") && !checked.contains(n.as_str()) {
+                unchecked.push(format!("{name} never depends on {n}"));
+            }
+        }
+    }
+    assert!(
+        unchecked.is_empty(),
+        "ARCHITECTURE.md promises what the test does not check:\n{}",
+        unchecked.join("\n")
     );
 }
