@@ -140,7 +140,7 @@ impl SpecArgs {
                 .with_context(|| format!("loading the draft model {display}"))?;
                 Some(DraftModel::new(
                     display,
-                    Arc::new(dmodel),
+                    Box::new(engine::ModelBackend::new(Arc::new(dmodel))),
                     &dtok,
                     tok,
                     n_vocab,

@@ -381,7 +381,7 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
             let (dm, dtok, dname) = load_model(d, args.threads, n_ctx)?;
             Some(DraftModel::new(
                 dname,
-                dm,
+                Box::new(ModelBackend::new(dm)),
                 &dtok,
                 &tok,
                 n_vocab,

@@ -1,11 +1,12 @@
-//! The draft-model drafter: a smaller model with the same tokenizer, its own paged KV kept
-//! in step with the committed tokens, proposing with the target's sampling rule and the
-//! same counter-based noise (coupling), masked by the grammar mirror.
+//! The draft-model drafter: a smaller model with the same tokenizer on any
+//! [`ForwardBackend`], its own paged KV kept in step with the committed tokens, proposing
+//! with the target's sampling rule and the same counter-based noise (coupling), masked by
+//! the grammar mirror.
 
 use crate::SpecError;
 use crate::drafter::{DraftContext, DraftProposal, Drafter, DrafterKind, Mirror};
-use model::{BatchRow, ForwardScratch, KvCache, Model, SeqKv};
-use sampling::{ChoiceContext, Sampler};
+use model::{ForwardBackend, ForwardRow, KvSlot};
+use sampling::Sampler;
 use std::sync::{Arc, Mutex, MutexGuard};
 use text::Tokenizer;
 
@@ -38,16 +39,14 @@ pub fn check_same_tokenizer(target: &Tokenizer, draft: &Tokenizer) -> Result<(),
     Ok(())
 }
 
-struct DraftKv {
-    kv: KvCache,
-    scratch: ForwardScratch,
-}
-
-/// A loaded draft model and its KV pool, shared by the per-sequence
-/// [`DraftModelDrafter`]s.
+/// A loaded draft model on any backend and its KV pool, shared by the per-sequence
+/// [`DraftModelDrafter`]s. It runs through the backend contract
+/// ([`model::ForwardBackend`]), so a draft model runs wherever a target can (the CPU
+/// model, a CUDA device).
 pub struct DraftModel {
-    model: Arc<Model>,
-    state: Mutex<DraftKv>,
+    backend: Mutex<Box<dyn ForwardBackend>>,
+    n_ctx: usize,
+    n_vocab: usize,
     name: String,
 }
 
@@ -55,37 +54,39 @@ impl std::fmt::Debug for DraftModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DraftModel")
             .field("name", &self.name)
-            .field("n_vocab", &self.model.config().n_vocab)
+            .field("n_vocab", &self.n_vocab)
+            .field("n_ctx", &self.n_ctx)
             .finish()
     }
 }
 
 impl DraftModel {
-    /// Wraps `model` (tokenizer `draft_tok`) as a draft for a target with tokenizer
-    /// `target_tok` and logit width `target_vocab`, with a KV pool of `kv_tokens` slots.
-    /// Refuses a different tokenizer or logit width with a clear error.
+    /// Wraps `backend` (a model whose tokenizer is `draft_tok`) as a draft for a target
+    /// with tokenizer `target_tok` and logit width `target_vocab`, and makes its KV pool of
+    /// `kv_tokens` slots ([`ForwardBackend::init_kv`]). Refuses a different tokenizer or
+    /// logit width with a clear error.
     pub fn new(
         name: impl Into<String>,
-        model: Arc<Model>,
+        mut backend: Box<dyn ForwardBackend>,
         draft_tok: &Tokenizer,
         target_tok: &Tokenizer,
         target_vocab: usize,
         kv_tokens: usize,
     ) -> Result<Arc<DraftModel>, SpecError> {
         check_same_tokenizer(target_tok, draft_tok)?;
-        let n = model.config().n_vocab;
+        let n = backend.n_vocab();
         if n != target_vocab {
             return Err(SpecError::TokenizerMismatch(format!(
                 "logit widths differ: target {target_vocab}, draft {n}"
             )));
         }
-        let kv = model
-            .new_kv_cache(kv_tokens)
+        backend
+            .init_kv(kv_tokens)
             .map_err(|e| SpecError::DraftModel(e.to_string()))?;
-        let scratch = model.new_scratch();
         Ok(Arc::new(DraftModel {
-            model,
-            state: Mutex::new(DraftKv { kv, scratch }),
+            n_ctx: backend.max_context(),
+            n_vocab: n,
+            backend: Mutex::new(backend),
             name: name.into(),
         }))
     }
@@ -95,9 +96,9 @@ impl DraftModel {
         &self.name
     }
 
-    /// The model.
-    pub fn model(&self) -> &Arc<Model> {
-        &self.model
+    /// The positions the draft model holds (its backend's context).
+    pub fn context_len(&self) -> usize {
+        self.n_ctx
     }
 
     /// A drafter for one sequence.
@@ -111,16 +112,16 @@ impl DraftModel {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, DraftKv> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Box<dyn ForwardBackend>> {
+        self.backend.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-/// One sequence's draft-model state: its KV in the shared pool and the tokens that KV
-/// holds.
+/// One sequence's draft-model state: its KV slot in the shared pool and the tokens that
+/// KV holds.
 pub struct DraftModelDrafter {
     dm: Arc<DraftModel>,
-    seq: Option<SeqKv>,
+    seq: Option<KvSlot>,
     /// Tokens whose KV is in `seq` (positions `0..cached.len()`).
     cached: Vec<u32>,
     sampler: Sampler,
@@ -142,29 +143,27 @@ const CHUNK: usize = 256;
 impl DraftModelDrafter {
     /// Runs `tokens[from..]` through the draft model (positions `from..`), leaving the last
     /// row's logits in `self.logits`. On failure the sequence's KV is dropped.
-    fn run(&mut self, st: &mut DraftKv, tokens: &[u32], from: usize) -> bool {
-        let DraftKv { kv, scratch } = st;
-        let seq = self.seq.get_or_insert_with(|| kv.new_sequence());
-        kv.truncate(seq, from);
+    fn run(&mut self, backend: &mut dyn ForwardBackend, tokens: &[u32], from: usize) -> bool {
+        let slot = *self.seq.get_or_insert_with(|| backend.kv_new());
+        backend.kv_truncate(slot, from);
         self.cached.truncate(from);
         let mut start = from;
         while start < tokens.len() {
             let end = (start + CHUNK).min(tokens.len());
-            let rows: Vec<BatchRow> = (start..end)
-                .map(|pos| BatchRow {
-                    seq: 0,
+            let rows: Vec<ForwardRow> = (start..end)
+                .map(|pos| ForwardRow {
+                    slot,
                     token: tokens[pos],
                     pos,
                     wants_logits: pos + 1 == tokens.len(),
                 })
                 .collect();
-            let r = self
-                .dm
-                .model
-                .forward(scratch, kv, &mut [&mut *seq], &rows, &mut self.logits);
+            let r = backend
+                .kv_prepare(slot, start, end)
+                .and_then(|()| backend.forward(&rows, &mut self.logits));
             if r.is_err() {
                 if let Some(s) = self.seq.take() {
-                    kv.release_sequence(s);
+                    backend.kv_release(s);
                 }
                 self.cached.clear();
                 return false;
@@ -185,7 +184,7 @@ impl Drafter for DraftModelDrafter {
         let mut out = DraftProposal::default();
         let k = ctx.max_draft.min(ctx.max_tokens);
         let l = ctx.tokens.len();
-        if k == 0 || l == 0 || l >= self.dm.model.n_ctx() {
+        if k == 0 || l == 0 || l >= self.dm.n_ctx {
             return out;
         }
         let dm = self.dm.clone();
@@ -198,24 +197,17 @@ impl Drafter for DraftModelDrafter {
             .take_while(|(a, b)| a == b)
             .count()
             .min(l - 1);
-        if !self.run(&mut st, ctx.tokens, common) {
+        if !self.run(st.as_mut(), ctx.tokens, common) {
             return out;
         }
-        let prompt = &ctx.tokens[..ctx.prompt_len.min(l)];
-        let mut generated: Vec<u32> = ctx.tokens[prompt.len()..].to_vec();
+        let mut generated: Vec<u32> = ctx.tokens[ctx.prompt_len.min(l)..].to_vec();
         let mut all: Vec<u32> = ctx.tokens.to_vec();
         for j in 0..k {
             let Some(allowed) = mirror.allowed() else {
                 break;
             };
-            let cctx = ChoiceContext {
-                prompt_tokens: prompt,
-                generated_tokens: &generated,
-                position: (l + j) as u64,
-            };
-            let Ok(choice) =
-                self.sampler
-                    .choose(&self.logits, &cctx, ctx.params, allowed, ctx.never)
+            let Some(choice) =
+                ctx.coupled_choice(&mut self.sampler, &self.logits, &generated, l + j, allowed)
             else {
                 break;
             };
@@ -226,10 +218,10 @@ impl Drafter for DraftModelDrafter {
             out.tokens.push(t);
             generated.push(t);
             all.push(t);
-            if ctx.ends(t) || j + 1 == k || l + j + 1 >= self.dm.model.n_ctx() {
+            if ctx.ends(t) || j + 1 == k || l + j + 1 >= self.dm.n_ctx {
                 break;
             }
-            if !self.run(&mut st, &all, l + j) {
+            if !self.run(st.as_mut(), &all, l + j) {
                 break;
             }
         }
@@ -250,8 +242,8 @@ impl Drafter for DraftModelDrafter {
             .count();
         if common < self.cached.len() {
             self.cached.truncate(common);
-            if let Some(seq) = self.seq.as_mut() {
-                self.dm.lock().kv.truncate(seq, common);
+            if let Some(slot) = self.seq {
+                self.dm.lock().kv_truncate(slot, common);
             }
         }
     }
@@ -259,8 +251,8 @@ impl Drafter for DraftModelDrafter {
 
 impl Drop for DraftModelDrafter {
     fn drop(&mut self) {
-        if let Some(seq) = self.seq.take() {
-            self.dm.lock().kv.release_sequence(seq);
+        if let Some(slot) = self.seq.take() {
+            self.dm.lock().kv_release(slot);
         }
     }
 }

@@ -225,7 +225,7 @@ fn smollm2_draft(t: &Target) -> Arc<DraftModel> {
     // SmolLM2 drafting for itself: a valid drafter (same tokenizer, own KV).
     DraftModel::new(
         "smollm2-135m",
-        t.model.clone(),
+        Box::new(ModelBackend::new(t.model.clone())),
         &t.tok,
         &t.tok,
         t.model.config().n_vocab,
@@ -346,7 +346,7 @@ fn qwen_coder_half_b_drafting_for_one_and_a_half_b_equals_plain_decoding() {
     let smol = load("smollm2-135m", 256);
     let err = DraftModel::new(
         "smollm2-135m",
-        smol.model.clone(),
+        Box::new(ModelBackend::new(smol.model.clone())),
         &smol.tok,
         &target.tok,
         target.model.config().n_vocab,
@@ -356,7 +356,7 @@ fn qwen_coder_half_b_drafting_for_one_and_a_half_b_equals_plain_decoding() {
     assert!(err.to_string().contains("cannot draft"), "{err}");
     let dm = DraftModel::new(
         "qwen2.5-coder-0.5b",
-        draft.model.clone(),
+        Box::new(ModelBackend::new(draft.model.clone())),
         &draft.tok,
         &target.tok,
         target.model.config().n_vocab,
