@@ -1,6 +1,7 @@
-//! Structured-output constraints for the engine: the think-block rule every front end
-//! applies ([`think_rule`]: a model that thinks first keeps its `<think>…</think>` block
-//! free, the constraint applies after `</think>`), grammar matchers (which implement
+//! Structured-output constraints for the engine: the constraint plan of a request
+//! ([`plan`]: the response format, the tools and the think-block rule, in one function for
+//! every front end), the think-block rule itself ([`think_rule`]: a model that thinks
+//! first keeps its `<think>…</think>` block free, the constraint applies after `</think>`), grammar matchers (which implement
 //! [`engine::TokenConstraint`] themselves), the lazy tool-call constraint (free text until the model
 //! opens a tool-call envelope, then the envelope grammar), and a small cache of compiled
 //! grammars so repeated requests (agents resend the same tools every turn) compile once.
@@ -10,10 +11,15 @@ use std::sync::{Arc, Mutex};
 
 use chat::ChatTemplate;
 use engine::{ConstraintError, TokenConstraint, TokenMask};
+use grammar::lark::{Expr, Grammar, JsonLayout};
 use grammar::{
     CompiledConstraint, Constraint, ConstraintKey, GrammarLimits, GrammarMatcher, TokenEnv,
 };
+use serde_json::{Value, json};
 use text::Tokenizer;
+
+use crate::Runtime;
+use crate::tools::{CustomFormat, ToolKind, ToolMode, ToolSetup};
 
 /// Where a chat reply's reasoning segment stands, as the rendered prompt shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +79,148 @@ fn prompt_tail_text(tokenizer: &Tokenizer, prompt: &[u32]) -> String {
         bytes.extend_from_slice(tokenizer.token_bytes(t).unwrap_or_default());
     }
     String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Why a request's constraint cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// The request asks for something that cannot be constrained (a tool name, schema or
+    /// grammar); `param` names the request's parameter at fault.
+    #[error("{message}")]
+    Invalid {
+        /// The parameter (`tools[0].parameters`, `response_format`).
+        param: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A grammar built here failed (a bug, not the request's fault).
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl PlanError {
+    /// [`PlanError::Invalid`] naming `param`.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> PlanError {
+        PlanError::Invalid {
+            param: param.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Compiles the grammars of the tools one by one (so an error names the tool), then the
+/// constraint of the request: the envelope grammar for `required`/named, a lazy one for
+/// `auto`, or the response format alone. `prompt` is the rendered chat prompt: a model
+/// that thinks first keeps its think block free and the constraint applies after
+/// `</think>` ([`Runtime::constrain`], the rule `lockstep run` follows too). `params`
+/// names the request's tools and response-format parameters for errors. Every front end
+/// (the OpenAI and Anthropic APIs, the chat page) builds its constraint here.
+pub fn plan(
+    model: &Runtime,
+    cache: &GrammarCache,
+    tools: Option<&ToolSetup>,
+    format: Option<Constraint>,
+    prompt: &[u32],
+    params: (&str, &str),
+) -> Result<Option<ConstraintPlan>, PlanError> {
+    let (tools_param, format_param) = params;
+    let think = |c: Constraint| model.constrain(c, prompt);
+    let format = format.map(think);
+    let compile = |c: &Constraint, param: &str| {
+        cache
+            .compile(c)
+            .map_err(|e| PlanError::invalid(param, format!("invalid {param}: {e}")))
+    };
+    let format_compiled = match &format {
+        Some(c) => Some(compile(c, format_param)?),
+        None => None,
+    };
+    let Some(setup) = tools.filter(|t| t.active()) else {
+        return Ok(format_compiled.map(ConstraintPlan::Grammar));
+    };
+    for (i, t) in setup.tools.iter().enumerate() {
+        match &t.kind {
+            ToolKind::Function { parameters } if parameters.is_object() => {
+                compile(
+                    &Constraint::json_schema(parameters.clone()),
+                    &format!("{tools_param}[{i}].parameters"),
+                )?;
+            }
+            ToolKind::Function { .. } => {}
+            ToolKind::Custom { format } => match format {
+                CustomFormat::Text => {}
+                CustomFormat::Lark(g) => {
+                    compile(
+                        &Constraint::lark(g.clone()),
+                        &format!("{tools_param}[{i}].format"),
+                    )?;
+                }
+                CustomFormat::Regex(r) => {
+                    compile(
+                        &Constraint::regex(r.clone()),
+                        &format!("{tools_param}[{i}].format"),
+                    )?;
+                }
+            },
+        }
+    }
+    let calls = setup.calls_grammar(model.tool_format())?;
+    let grammar_err = |e: grammar::GrammarError| {
+        PlanError::invalid(
+            tools_param,
+            format!("the tools do not form a valid grammar: {e}"),
+        )
+    };
+    // `start` (and for `auto` with a JSON response format, `answer`) before the calls.
+    let lark = |start: Expr, answer: Option<Expr>| {
+        let mut g = Grammar::new();
+        g.rule("start", start);
+        if let Some(answer) = answer {
+            g.rule("answer", answer);
+        }
+        g.extend(calls.clone());
+        g.to_lark()
+            .map(Constraint::lark)
+            .map_err(|e| PlanError::Internal(format!("the tools grammar: {e}")))
+    };
+    let answer_or_calls = |schema: &Value| {
+        lark(
+            Expr::alt([Expr::rule("answer"), Expr::rule("calls")]),
+            Some(Expr::json(schema, JsonLayout::Llguidance)),
+        )
+    };
+    match &setup.mode {
+        ToolMode::Required | ToolMode::Named(_) => {
+            let c = cache
+                .compile(&think(lark(Expr::rule("calls"), None)?))
+                .map_err(grammar_err)?;
+            Ok(Some(ConstraintPlan::Grammar(c)))
+        }
+        ToolMode::Auto => match format.as_ref().map(Constraint::source) {
+            Some(grammar::ConstraintSource::JsonSchema(schema)) => {
+                let c = cache
+                    .compile(&think(answer_or_calls(schema)?))
+                    .map_err(grammar_err)?;
+                Ok(Some(ConstraintPlan::Grammar(c)))
+            }
+            Some(grammar::ConstraintSource::JsonObject) => {
+                let c = cache
+                    .compile(&think(answer_or_calls(&json!({"type": "object"}))?))
+                    .map_err(grammar_err)?;
+                Ok(Some(ConstraintPlan::Grammar(c)))
+            }
+            _ => {
+                let c = cache
+                    .compile(&lark(Expr::rule("calls"), None)?)
+                    .map_err(grammar_err)?;
+                Ok(Some(ConstraintPlan::LazyTools {
+                    trigger: model.tool_format().start_marker().to_string(),
+                    calls: c,
+                }))
+            }
+        },
+        ToolMode::None => Ok(format_compiled.map(ConstraintPlan::Grammar)),
+    }
 }
 
 /// How each choice of a request gets its constraint.

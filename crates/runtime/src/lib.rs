@@ -8,8 +8,9 @@
 //! (opening the file, the context length, the memory check, the tokenizer and template)
 //! for front ends that assemble something else (benchmarks, a draft model).
 //!
-//! [`constraint`] owns the constraint plan of a request: [`Runtime::constrain`] applies
-//! the think-block rule (a model that thinks first keeps its `<think>…</think>` block
+//! [`constraint`] owns the constraint plan of a request: [`constraint::plan`] builds it
+//! from the response format and the [`tools`] (their envelope grammars live there), and
+//! [`Runtime::constrain`] applies the think-block rule (a model that thinks first keeps its `<think>…</think>` block
 //! free and the constraint applies after `</think>`), so every front end constrains the
 //! same way; [`constraint::GrammarCache`] compiles repeated constraints once.
 //!
@@ -27,6 +28,7 @@ pub mod load;
 pub mod memory;
 pub mod prompt;
 mod runtime;
+pub mod tools;
 
 pub use model::KvType;
 pub use runtime::{ModelOptions, Runtime};

@@ -245,7 +245,7 @@ pub fn prepare(state: &AppState, req: &MessagesRequest) -> Result<Job, ApiError>
             code: Some("context_length_exceeded"),
         });
     }
-    let constraint = request::constraint_plan(
+    let constraint = runtime::constraint::plan(
         model,
         &state.grammars,
         Some(&setup),
@@ -253,7 +253,7 @@ pub fn prepare(state: &AppState, req: &MessagesRequest) -> Result<Job, ApiError>
         &prompt,
         ("tools", "tools"),
     )
-    .map_err(input_schema_names)?;
+    .map_err(|e| input_schema_names(e.into()))?;
     Ok(Job {
         prompt,
         sampling,

@@ -69,7 +69,7 @@ pub fn prepare(state: &AppState, req: &ChatCompletionRequest) -> Result<Job, Api
     let format = request::chat_format(req.response_format.as_ref())?;
     let prompt = request::chat_prompt(model, &req.messages, Some(&setup))?;
     request::check_prompt_len(prompt.len(), model.context_len())?;
-    let constraint = request::constraint_plan(
+    let constraint = runtime::constraint::plan(
         model,
         &state.grammars,
         Some(&setup),

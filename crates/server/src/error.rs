@@ -53,6 +53,17 @@ pub enum ApiError {
     Internal(String),
 }
 
+impl From<runtime::constraint::PlanError> for ApiError {
+    fn from(e: runtime::constraint::PlanError) -> ApiError {
+        match e {
+            runtime::constraint::PlanError::Invalid { param, message } => {
+                ApiError::invalid(param, message)
+            }
+            runtime::constraint::PlanError::Internal(m) => ApiError::Internal(m),
+        }
+    }
+}
+
 impl ApiError {
     /// A 400 naming the field `param`.
     pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {

@@ -7,14 +7,13 @@ use std::collections::BTreeMap;
 use chat::{Message, MessageContent};
 use engine::{GenerateRequest, SamplingParams};
 use grammar::Constraint;
-use grammar::lark::{Expr, Grammar, JsonLayout};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::api::{ResponseFormat, SamplingFields};
 use crate::error::ApiError;
 use crate::tools::{CustomFormat, ToolKind, ToolMode, ToolSetup, ToolSpec};
 use runtime::Runtime;
-use runtime::constraint::{ConstraintPlan, GrammarCache};
+use runtime::constraint::ConstraintPlan;
 
 /// Most choices per request.
 pub const MAX_N: u32 = 16;
@@ -389,119 +388,6 @@ pub fn tool_mode(choice: Option<&Value>, has_tools: bool) -> Result<ToolMode, Ap
             Ok(ToolMode::Named(name.to_string()))
         }
         Some(_) => Err(bad()),
-    }
-}
-
-/// Compiles the grammars of the tools one by one (so an error names the tool), then the
-/// constraint of the request: the envelope grammar for `required`/named, a lazy one for
-/// `auto`, or the response format alone. `prompt` is the rendered chat prompt: a model
-/// that thinks first keeps its think block free and the constraint applies after
-/// `</think>` ([`Runtime::constrain`], the rule `lockstep run` follows too).
-pub fn constraint_plan(
-    model: &Runtime,
-    cache: &GrammarCache,
-    tools: Option<&ToolSetup>,
-    format: Option<Constraint>,
-    prompt: &[u32],
-    params: (&str, &str),
-) -> Result<Option<ConstraintPlan>, ApiError> {
-    let (tools_param, format_param) = params;
-    let think = |c: Constraint| model.constrain(c, prompt);
-    let format = format.map(think);
-    let compile = |c: &Constraint, param: &str| {
-        cache
-            .compile(c)
-            .map_err(|e| ApiError::invalid(param, format!("invalid {param}: {e}")))
-    };
-    let format_compiled = match &format {
-        Some(c) => Some(compile(c, format_param)?),
-        None => None,
-    };
-    let Some(setup) = tools.filter(|t| t.active()) else {
-        return Ok(format_compiled.map(ConstraintPlan::Grammar));
-    };
-    for (i, t) in setup.tools.iter().enumerate() {
-        match &t.kind {
-            ToolKind::Function { parameters } if parameters.is_object() => {
-                compile(
-                    &Constraint::json_schema(parameters.clone()),
-                    &format!("{tools_param}[{i}].parameters"),
-                )?;
-            }
-            ToolKind::Function { .. } => {}
-            ToolKind::Custom { format } => match format {
-                CustomFormat::Text => {}
-                CustomFormat::Lark(g) => {
-                    compile(
-                        &Constraint::lark(g.clone()),
-                        &format!("{tools_param}[{i}].format"),
-                    )?;
-                }
-                CustomFormat::Regex(r) => {
-                    compile(
-                        &Constraint::regex(r.clone()),
-                        &format!("{tools_param}[{i}].format"),
-                    )?;
-                }
-            },
-        }
-    }
-    let calls = setup.calls_grammar(model.tool_format())?;
-    let grammar_err = |e: grammar::GrammarError| {
-        ApiError::invalid(
-            tools_param,
-            format!("the tools do not form a valid grammar: {e}"),
-        )
-    };
-    // `start` (and for `auto` with a JSON response format, `answer`) before the calls.
-    let lark = |start: Expr, answer: Option<Expr>| {
-        let mut g = Grammar::new();
-        g.rule("start", start);
-        if let Some(answer) = answer {
-            g.rule("answer", answer);
-        }
-        g.extend(calls.clone());
-        g.to_lark()
-            .map(Constraint::lark)
-            .map_err(|e| ApiError::Internal(format!("the tools grammar: {e}")))
-    };
-    let answer_or_calls = |schema: &Value| {
-        lark(
-            Expr::alt([Expr::rule("answer"), Expr::rule("calls")]),
-            Some(Expr::json(schema, JsonLayout::Llguidance)),
-        )
-    };
-    match &setup.mode {
-        ToolMode::Required | ToolMode::Named(_) => {
-            let c = cache
-                .compile(&think(lark(Expr::rule("calls"), None)?))
-                .map_err(grammar_err)?;
-            Ok(Some(ConstraintPlan::Grammar(c)))
-        }
-        ToolMode::Auto => match format.as_ref().map(Constraint::source) {
-            Some(grammar::ConstraintSource::JsonSchema(schema)) => {
-                let c = cache
-                    .compile(&think(answer_or_calls(schema)?))
-                    .map_err(grammar_err)?;
-                Ok(Some(ConstraintPlan::Grammar(c)))
-            }
-            Some(grammar::ConstraintSource::JsonObject) => {
-                let c = cache
-                    .compile(&think(answer_or_calls(&json!({"type": "object"}))?))
-                    .map_err(grammar_err)?;
-                Ok(Some(ConstraintPlan::Grammar(c)))
-            }
-            _ => {
-                let c = cache
-                    .compile(&lark(Expr::rule("calls"), None)?)
-                    .map_err(grammar_err)?;
-                Ok(Some(ConstraintPlan::LazyTools {
-                    trigger: model.tool_format().start_marker().to_string(),
-                    calls: c,
-                }))
-            }
-        },
-        ToolMode::None => Ok(format_compiled.map(ConstraintPlan::Grammar)),
     }
 }
 

@@ -271,7 +271,7 @@ fn prepare(state: &AppState, req: &ResponsesRequest) -> Result<(Job, Vec<Message
     let format = request::responses_format(req.text.as_ref().and_then(|t| t.format.as_ref()))?;
     let prompt = request::chat_prompt(model, &messages, Some(&setup))?;
     request::check_prompt_len(prompt.len(), model.context_len())?;
-    let constraint = request::constraint_plan(
+    let constraint = runtime::constraint::plan(
         model,
         &state.grammars,
         Some(&setup),

@@ -211,7 +211,7 @@ fn the_auto_constraint_is_free_text_until_the_envelope_opens_then_forces_it() {
         mode: ToolMode::Auto,
         parallel: false,
     };
-    let plan = lockstep_server::request::constraint_plan(
+    let plan = runtime::constraint::plan(
         &model,
         &cache,
         Some(&setup),
