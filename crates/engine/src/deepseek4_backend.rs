@@ -272,9 +272,9 @@ impl ForwardBackend for Deepseek4Backend {
         result
     }
 
-    fn target_rows(&self, slot: KvSlot) -> Option<&dyn spec::TargetRows> {
+    fn target_rows(&self, slot: KvSlot) -> Option<&dyn model::TargetRows> {
         let s = self.slot(slot).ok()?;
-        (s.state.capture_width() > 0).then_some(&s.state as &dyn spec::TargetRows)
+        (s.state.capture_width() > 0).then_some(&s.state as &dyn model::TargetRows)
     }
 }
 
