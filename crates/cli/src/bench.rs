@@ -306,6 +306,10 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             repetitions: args.repetitions,
             max_draft: args.spec_max_draft.max(1),
             workloads: args.spec_workloads.clone(),
+            record: args.record.clone(),
+            replay: args.replay.clone(),
+            replay_step_ms: args.replay_step_ms,
+            replay_trace: args.replay_trace.clone(),
         };
         return crate::spec_bench::run(&sb, args.output == BenchOutput::Json, out);
     }

@@ -171,6 +171,7 @@ impl SpecArgs {
                 draft_model,
                 dspark,
                 suffix,
+                prompt_text: true,
             },
             policy: PolicyConfig {
                 max_draft: usize::from(self.max_draft),
