@@ -477,7 +477,14 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
 /// tokens of that drafter over output tokens, with its accepted/drafted) and the decode
 /// steps without a draft by reason.
 fn write_counters(results: &[WorkloadResult], out: &mut dyn Write) -> anyhow::Result<()> {
-    let kinds = ["suffix", "ngram", "fast-forward", "draft-model", "dspark"];
+    let kinds = [
+        "prompt-text",
+        "suffix",
+        "ngram",
+        "fast-forward",
+        "draft-model",
+        "dspark",
+    ];
     let shown: Vec<&str> = kinds
         .iter()
         .copied()

@@ -121,7 +121,7 @@ pub struct BenchArgs {
     #[arg(
         long = "spec-max-draft",
         value_name = "K",
-        default_value_t = 8,
+        default_value_t = 12,
         requires = "spec"
     )]
     pub spec_max_draft: usize,

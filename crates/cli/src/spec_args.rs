@@ -54,7 +54,7 @@ pub struct SpecArgs {
     pub ngram: Option<u16>,
 
     /// Most draft tokens per verify cycle
-    #[arg(long = "spec-max-draft", value_name = "K", default_value_t = 8,
+    #[arg(long = "spec-max-draft", value_name = "K", default_value_t = 12,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub max_draft: u16,
 

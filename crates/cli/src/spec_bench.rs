@@ -459,7 +459,7 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
     configs.insert(
         1,
         (
-            "default (suffix+ngram+ff)".into(),
+            "default (prompt-text+suffix+ngram+ff)".into(),
             SpecConfig {
                 policy: policy.clone(),
                 ..crate::spec_args::free_spec()

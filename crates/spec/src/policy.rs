@@ -40,10 +40,10 @@ pub struct PolicyConfig {
 }
 
 impl Default for PolicyConfig {
-    /// Up to 8 drafts, bars 0.55/0.6/0.65, margin gate off, back-off and cost model on.
+    /// Up to 12 drafts, bars 0.55/0.6/0.65, margin gate off, back-off and cost model on.
     fn default() -> Self {
         PolicyConfig {
-            max_draft: 8,
+            max_draft: 12,
             confidence_grid: vec![0.55, 0.6, 0.65],
             margin_bar: 0.0,
             backoff: true,

@@ -171,7 +171,26 @@ impl State {
             let left = left_context(src, first.start, rest);
             Some((last.end, left, 1))
         };
-        let (from, left, n) = by_pair.or_else(by_self).or_else(next)?;
+        // A key never located yet (the first record): the next field, by the left
+        // context of the value before it.
+        let next_field = || {
+            if self.located.iter().any(|l| l.key == key) {
+                return None;
+            }
+            let own: Vec<&Located> = self
+                .located
+                .iter()
+                .rev()
+                .filter(|l| l.key == last.key)
+                .take(KEEP)
+                .collect();
+            let (first, rest) = own.split_first()?;
+            Some((last.end, left_context(src, first.start, rest), 1))
+        };
+        let (from, left, n) = by_pair
+            .or_else(by_self)
+            .or_else(next)
+            .or_else(next_field)?;
         nth_after(src, from, &left, n).map(|q| (q, from))
     }
 
@@ -413,13 +432,19 @@ impl PromptTextDrafter {
         } else {
             return None;
         };
-        let own: Vec<&Located> = st
+        let mut own: Vec<&Located> = st
             .located
             .iter()
             .rev()
             .filter(|l| l.key == key)
             .take(KEEP)
             .collect();
+        if own.is_empty()
+            && let Some(last) = st.located.last()
+        {
+            // The first record: the right context of the value before it.
+            own.push(last);
+        }
         let right = match own.first() {
             Some(l) => right_context(src, l.end, &own),
             None => return None,
