@@ -305,8 +305,8 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
         writeln!(
             out,
             "lockstep bench --agent: {name}, {how}, context {n_ctx}; plain and \
-             speculative servers side by side (free drafters: suffix index, n-gram, \
-             fast-forward; adaptive policy); load average before: {}",
+             speculative servers side by side (free drafters: prompt text, suffix index, \
+             n-gram, fast-forward; adaptive policy); load average before: {}",
             load_average()
         )?;
         out.flush()?;

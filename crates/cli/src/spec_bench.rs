@@ -394,7 +394,12 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
             let path = load::resolve_model_path(&args.model)?;
             let gguf = runtime::load::open_gguf(&path)?;
             let tok = runtime::load::load_tokenizer(&gguf)?;
-            (None, tok, load::display_name(&args.model, &path), rec.n_vocab)
+            (
+                None,
+                tok,
+                load::display_name(&args.model, &path),
+                rec.n_vocab,
+            )
         }
         None => {
             let (m, tok, name) = load_model(&args.model, args.threads, n_ctx)?;

@@ -626,10 +626,7 @@ impl SeqPolicy {
     /// Whether every kind that has drafted in this sequence is paused (without the cost
     /// model: then nothing would draft, which is a back-off step).
     fn only_paused_kinds_drafted(&self, paused: &[bool; DrafterKind::COUNT]) -> bool {
-        self.recorded
-            .iter()
-            .zip(paused)
-            .all(|(&n, &p)| n == 0 || p)
+        self.recorded.iter().zip(paused).all(|(&n, &p)| n == 0 || p)
     }
 }
 

@@ -72,8 +72,11 @@ struct State {
     /// matter).
     located: Vec<Located>,
     /// (previous key, key) → (left context, occurrences from the previous value's end).
-    relations: HashMap<(Vec<u8>, Vec<u8>), (Vec<u8>, usize)>,
+    relations: HashMap<KeyPair, (Vec<u8>, usize)>,
 }
+
+/// (previous key, key) of a relation.
+type KeyPair = (Vec<u8>, Vec<u8>);
 
 impl State {
     fn key(&self) -> Vec<u8> {
@@ -187,10 +190,7 @@ impl State {
             let (first, rest) = own.split_first()?;
             Some((last.end, left_context(src, first.start, rest), 1))
         };
-        let (from, left, n) = by_pair
-            .or_else(by_self)
-            .or_else(next)
-            .or_else(next_field)?;
+        let (from, left, n) = by_pair.or_else(by_self).or_else(next).or_else(next_field)?;
         nth_after(src, from, &left, n).map(|q| (q, from))
     }
 
@@ -312,7 +312,11 @@ fn right_context(src: &[u8], end: usize, own: &[&Located]) -> Vec<u8> {
     let mut n = n.min(mine.len());
     // Never into the middle of a word (`\nEmail: a` of two values followed alike).
     if n < mine.len() && is_value_byte(mine[n]) {
-        n -= mine[..n].iter().rev().take_while(|&&b| is_value_byte(b)).count();
+        n -= mine[..n]
+            .iter()
+            .rev()
+            .take_while(|&&b| is_value_byte(b))
+            .count();
     }
     mine[..n].to_vec()
 }
@@ -659,7 +663,10 @@ mod tests {
         toks.extend(enc(&tok, "[{\"name\":\""));
         assert_eq!(draft(&mut d, &toks, prompt.len()), "");
         // Unconstrained: nothing either.
-        toks.extend(enc(&tok, "Ada Lovelace\",\"city\":\"London\"},{\"name\":\""));
+        toks.extend(enc(
+            &tok,
+            "Ada Lovelace\",\"city\":\"London\"},{\"name\":\"",
+        ));
         let params = SamplingParams::greedy();
         let never = TokenMask::new(256);
         let ctx = DraftContext {
