@@ -305,8 +305,8 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
         writeln!(
             out,
             "lockstep bench --agent: {name}, {how}, context {n_ctx}; plain and \
-             speculative servers side by side (free drafters: suffix index, n-gram, \
-             fast-forward; adaptive policy); load average before: {}",
+             speculative servers side by side (free drafters: prompt text, suffix index, \
+             n-gram, fast-forward; adaptive policy); load average before: {}",
             load_average()
         )?;
         out.flush()?;
@@ -477,7 +477,14 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
 /// tokens of that drafter over output tokens, with its accepted/drafted) and the decode
 /// steps without a draft by reason.
 fn write_counters(results: &[WorkloadResult], out: &mut dyn Write) -> anyhow::Result<()> {
-    let kinds = ["suffix", "ngram", "fast-forward", "draft-model", "dspark"];
+    let kinds = [
+        "prompt-text",
+        "suffix",
+        "ngram",
+        "fast-forward",
+        "draft-model",
+        "dspark",
+    ];
     let shown: Vec<&str> = kinds
         .iter()
         .copied()

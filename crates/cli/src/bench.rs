@@ -121,7 +121,7 @@ pub struct BenchArgs {
     #[arg(
         long = "spec-max-draft",
         value_name = "K",
-        default_value_t = 8,
+        default_value_t = 12,
         requires = "spec"
     )]
     pub spec_max_draft: usize,
@@ -306,6 +306,10 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             repetitions: args.repetitions,
             max_draft: args.spec_max_draft.max(1),
             workloads: args.spec_workloads.clone(),
+            record: args.record.clone(),
+            replay: args.replay.clone(),
+            replay_step_ms: args.replay_step_ms,
+            replay_trace: args.replay_trace.clone(),
         };
         return crate::spec_bench::run(&sb, args.output == BenchOutput::Json, out);
     }

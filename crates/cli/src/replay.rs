@@ -364,6 +364,11 @@ pub struct ReplayBackend {
     misses: Arc<AtomicU64>,
     decode_us: Arc<AtomicU64>,
     trace: Option<Trace>,
+    /// Whether a forward sleeps for its curve time (else it only reports it:
+    /// [`ForwardBackend::simulated_ms`]).
+    sleeps: bool,
+    /// The curve time of the last forward, ms.
+    last_ms: f64,
 }
 
 /// Where [`ReplayBackend::with_trace`] writes.
@@ -387,7 +392,17 @@ impl ReplayBackend {
             misses: Arc::new(AtomicU64::new(0)),
             decode_us: Arc::new(AtomicU64::new(0)),
             trace: None,
+            sleeps: true,
+            last_ms: 0.0,
         }
+    }
+
+    /// A replay whose forwards return at once: the engine times its steps by the curve
+    /// ([`ForwardBackend::simulated_ms`]) and the decode time is
+    /// [`ReplayBackend::decode_clock`]'s (a bench that reads no wall time).
+    pub fn without_sleep(mut self) -> ReplayBackend {
+        self.sleeps = false;
+        self
     }
 
     /// Also writes one JSON line per sequence per forward to `out`: its first position
@@ -577,8 +592,14 @@ impl ForwardBackend for ReplayBackend {
             self.decode_us
                 .fetch_add((ms * 1e3).round() as u64, Ordering::Relaxed);
         }
-        std::thread::sleep(Duration::from_secs_f64(ms / 1e3));
+        self.last_ms = ms;
+        if self.sleeps {
+            std::thread::sleep(Duration::from_secs_f64(ms / 1e3));
+        }
         Ok(())
+    }
+    fn simulated_ms(&self) -> Option<f64> {
+        Some(self.last_ms)
     }
 }
 

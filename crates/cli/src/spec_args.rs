@@ -54,7 +54,7 @@ pub struct SpecArgs {
     pub ngram: Option<u16>,
 
     /// Most draft tokens per verify cycle
-    #[arg(long = "spec-max-draft", value_name = "K", default_value_t = 8,
+    #[arg(long = "spec-max-draft", value_name = "K", default_value_t = 12,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub max_draft: u16,
 
@@ -171,6 +171,7 @@ impl SpecArgs {
                 draft_model,
                 dspark,
                 suffix,
+                prompt_text: true,
             },
             policy: PolicyConfig {
                 max_draft: usize::from(self.max_draft),

@@ -8,7 +8,9 @@
 //! identical to the plain one.
 
 use std::io::Write;
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, bail};
 use engine::{
@@ -22,6 +24,7 @@ use spec::{DraftModel, DrafterSet, PolicyConfig, SuffixIndex};
 use text::{EncodeOptions, Tokenizer};
 
 use crate::load;
+use crate::replay::{Recording, RecordingBackend, ReplayBackend, StepCurve};
 
 /// What `bench --spec` needs from the bench flags.
 #[derive(Debug, Clone)]
@@ -40,6 +43,14 @@ pub struct SpecBenchArgs {
     pub max_draft: usize,
     /// Only these workloads (empty = all; `extraction` = the extraction suite).
     pub workloads: Vec<String>,
+    /// Keep the plain runs' logits in this file (only the plain runs are made).
+    pub record: Option<PathBuf>,
+    /// Run every drafter set on this recording instead of the model.
+    pub replay: Option<PathBuf>,
+    /// With `replay`: the time of a one-row step, ms.
+    pub replay_step_ms: f64,
+    /// With `replay`: trace the speculative runs' forwards to this file.
+    pub replay_trace: Option<PathBuf>,
 }
 
 /// One generation: its tokens, decode tokens/s and speculation counters.
@@ -373,11 +384,54 @@ fn generate(
 /// Runs the speculative bench and prints a Markdown table (or JSON with `json`).
 pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Result<()> {
     let n_ctx = 2048;
-    let (model, tok, name) = load_model(&args.model, args.threads, n_ctx)?;
+    let replay = match &args.replay {
+        Some(p) => Some(Arc::new(Recording::load(p)?)),
+        None => None,
+    };
+    // A replay needs only the tokenizer; the logits come from the recording.
+    let (model, tok, name, n_vocab) = match &replay {
+        Some(rec) => {
+            let path = load::resolve_model_path(&args.model)?;
+            let gguf = runtime::load::open_gguf(&path)?;
+            let tok = runtime::load::load_tokenizer(&gguf)?;
+            (
+                None,
+                tok,
+                load::display_name(&args.model, &path),
+                rec.n_vocab,
+            )
+        }
+        None => {
+            let (m, tok, name) = load_model(&args.model, args.threads, n_ctx)?;
+            let n_vocab = m.config().n_vocab;
+            (Some(m), tok, name, n_vocab)
+        }
+    };
     let tok = Arc::new(tok);
-    let n_vocab = model.config().n_vocab;
-    let draft = match &args.draft {
-        Some(d) => {
+    let recording = args.record.as_ref().map(|_| {
+        let mut r = Recording::default();
+        r.n_vocab = n_vocab;
+        Arc::new(Mutex::new(r))
+    });
+    let trace: Option<Arc<Mutex<std::io::BufWriter<std::fs::File>>>> = match &args.replay_trace {
+        Some(p) => Some(Arc::new(Mutex::new(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )))),
+        None => None,
+    };
+    let curve = StepCurve {
+        t1_ms: args.replay_step_ms,
+    };
+    let repetitions = if replay.is_some() {
+        1 // a replay is deterministic
+    } else {
+        args.repetitions
+    };
+    if args.draft.is_some() && (replay.is_some() || recording.is_some()) {
+        bail!("--draft cannot be combined with --record or --replay");
+    }
+    let draft = match (&args.draft, &model) {
+        (Some(d), Some(_)) => {
             let (dm, dtok, dname) = load_model(d, args.threads, n_ctx)?;
             Some(DraftModel::new(
                 dname,
@@ -388,7 +442,7 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
                 n_ctx + 64,
             )?)
         }
-        None => None,
+        _ => None,
     };
     let env = TokenEnv::with_logit_width(tok.clone(), n_vocab)?;
     let policy = PolicyConfig {
@@ -410,13 +464,16 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
     configs.insert(
         1,
         (
-            "default (suffix+ngram+ff)".into(),
+            "default (prompt-text+suffix+ngram+ff)".into(),
             SpecConfig {
                 policy: policy.clone(),
                 ..crate::spec_args::free_spec()
             },
         ),
     );
+    if recording.is_some() {
+        configs.truncate(1); // recording: the plain runs only
+    }
     if let Some(dm) = &draft {
         configs.push((
             format!("draft {}+ff", dm.name()),
@@ -428,6 +485,7 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
                     draft_model: Some(dm.clone()),
                     dspark: None,
                     suffix: None,
+                    prompt_text: false,
                 })
             },
         ));
@@ -441,17 +499,27 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
                     draft_model: Some(dm.clone()),
                     dspark: None,
                     suffix: None,
+                    prompt_text: false,
                 })
             },
         ));
     }
     if !json {
+        let how = match &args.replay {
+            Some(p) => format!(
+                "replaying {} (no model: a one-row step takes {} ms on the measured \
+                 verify-cost curve, speeds are the curve's)",
+                p.display(),
+                args.replay_step_ms
+            ),
+            None => format!("best of {repetitions}"),
+        };
         writeln!(
             out,
-            "target {name}, {} tokens per workload, best of {}\n\n\
+            "target {name}, {} tokens per workload, {how}\n\n\
              | workload | drafter | t/s | speed-up | identical | accept | mean acc. | cycles | forced | saved ms |\n\
              | -------- | ------- | --: | -------: | --------- | -----: | --------: | -----: | -----: | -------: |",
-            args.max_tokens, args.repetitions
+            args.max_tokens
         )?;
     }
     let mut rows = Vec::new();
@@ -469,16 +537,41 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
         // Repetitions interleave the drafters (plain, then each speculative set, then
         // again), so a change in the machine's load hits every row alike.
         let mut bests: Vec<Option<RunResult>> = vec![None; configs.len()];
-        for _ in 0..args.repetitions {
-            for ((_, spec), best) in configs.iter().zip(bests.iter_mut()) {
+        for _ in 0..repetitions {
+            for (ci, ((_, spec), best)) in configs.iter().zip(bests.iter_mut()).enumerate() {
                 // A fresh engine per run, with a fresh cross-request index: a repetition
                 // must not draft from an earlier repetition's (or workload's) output.
                 let mut spec = spec.clone();
                 if let Some(ix) = &spec.drafters.suffix {
                     spec.drafters.suffix = Some(Arc::new(SuffixIndex::new(*ix.config())));
                 }
+                let mut clock = None;
+                let mut misses = None;
+                let backend: Box<dyn engine::ForwardBackend> = match (&replay, &model) {
+                    (Some(rec), _) => {
+                        let mut b =
+                            ReplayBackend::new(Arc::clone(rec), curve, n_ctx + 64).without_sleep();
+                        clock = Some(b.decode_clock());
+                        if ci == 0 {
+                            misses = Some(b.misses());
+                        } else if let Some(t) = &trace {
+                            b = b.with_trace(Box::new(SharedWriter(Arc::clone(t))), tok.clone());
+                        }
+                        Box::new(b)
+                    }
+                    (None, Some(m)) => {
+                        let inner = ModelBackend::new(m.clone());
+                        match &recording {
+                            Some(rec) => {
+                                Box::new(RecordingBackend::new(Box::new(inner), Arc::clone(rec)))
+                            }
+                            None => Box::new(inner),
+                        }
+                    }
+                    (None, None) => bail!("no model and no recording"),
+                };
                 let engine = Engine::start(
-                    Box::new(ModelBackend::new(model.clone())),
+                    backend,
                     tok.clone(),
                     EngineConfig {
                         max_seqs: 1,
@@ -496,7 +589,21 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
                     .map(|c| Box::new(c.matcher()) as Box<dyn engine::TokenConstraint>);
                 let r = generate(&engine, req);
                 engine.shutdown();
-                let r = r?;
+                let mut r = r?;
+                if let Some(c) = clock {
+                    // The curve's decode time, not the wall clock's.
+                    let s = c.load(Ordering::Relaxed) as f64 / 1e6;
+                    r.1 = r.0.len().saturating_sub(1) as f64 / s.max(1e-9);
+                }
+                if let Some(m) = misses
+                    && m.load(Ordering::Relaxed) > 0
+                {
+                    bail!(
+                        "{}: the plain replay left the recording: it is not of this model, \
+                         these workloads or this lockstep",
+                        w.name
+                    );
+                }
                 if best.as_ref().is_none_or(|b| r.1 > b.1) {
                     *best = Some(r);
                 }
@@ -586,10 +693,34 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
     if json {
         writeln!(out, "{}", serde_json::to_string_pretty(&rows)?)?;
     }
+    if let (Some(p), Some(rec)) = (&args.record, &recording) {
+        let rec = rec.lock().unwrap_or_else(|e| e.into_inner());
+        rec.save(p)?;
+        if !json {
+            writeln!(
+                out,
+                "\nrecorded {} logit rows of the plain runs in {}",
+                rec.len(),
+                p.display()
+            )?;
+        }
+    }
     if rows.iter().any(|r| !r.identical) {
         bail!("a speculative output differed from plain decoding (G2 violated)");
     }
     Ok(())
+}
+
+/// A trace file shared by the runs of a replay.
+struct SharedWriter(Arc<Mutex<std::io::BufWriter<std::fs::File>>>);
+
+impl Write for SharedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).flush()
+    }
 }
 
 #[cfg(test)]

@@ -692,8 +692,13 @@ impl<'t> Loop<'t> {
             }
         }
         if decode_only {
-            self.cost
-                .observe_step(rows_total, t_fwd.elapsed().as_secs_f64() * 1e3);
+            // A replaying backend's simulated time, so the policy's decisions do not
+            // depend on the machine running the replay.
+            let ms = self
+                .backend
+                .simulated_ms()
+                .unwrap_or_else(|| t_fwd.elapsed().as_secs_f64() * 1e3);
+            self.cost.observe_step(rows_total, ms);
         }
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let m = &mut self.metrics;

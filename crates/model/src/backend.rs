@@ -138,6 +138,14 @@ pub trait ForwardBackend: Send {
     /// [`ForwardBackend::kv_prepare`]. `logits` is cleared, then gets `n_vocab` values for
     /// each row with `wants_logits`, in row order.
     fn forward(&mut self, rows: &[ForwardRow], logits: &mut Vec<f32>) -> Result<(), BackendError>;
+    /// The time the last [`ForwardBackend::forward`] takes on the machine this backend
+    /// simulates, ms: `Some` for a backend that replays recorded logits on a fixed cost
+    /// curve instead of computing them (the engine then times its steps by it, so its
+    /// cost model decides the same on any machine, loaded or not); `None` (the default)
+    /// for a backend that computes.
+    fn simulated_ms(&self) -> Option<f64> {
+        None
+    }
     /// Whether this backend implements [`ForwardBackend::forward_summaries`] (one that
     /// keeps the logits where it computed them, a GPU). `false` by default: the engine
     /// then calls [`ForwardBackend::forward`] and reads every logit row.

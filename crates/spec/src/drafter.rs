@@ -22,11 +22,13 @@ pub enum DrafterKind {
     /// The cross-request suffix index (earlier requests' sequences and the sequence
     /// itself).
     Suffix,
+    /// JSON values from the prompt text by the record layout learned per key.
+    PromptText,
 }
 
 impl DrafterKind {
     /// Every kind, in a fixed order (index = [`DrafterKind::index`]).
-    pub const ALL: [DrafterKind; 7] = [
+    pub const ALL: [DrafterKind; 8] = [
         DrafterKind::FastForward,
         DrafterKind::Ngram,
         DrafterKind::DraftModel,
@@ -34,6 +36,7 @@ impl DrafterKind {
         DrafterKind::Adversary,
         DrafterKind::Dspark,
         DrafterKind::Suffix,
+        DrafterKind::PromptText,
     ];
 
     /// Number of kinds (the length of per-kind tables).
@@ -49,11 +52,12 @@ impl DrafterKind {
             DrafterKind::Adversary => 4,
             DrafterKind::Dspark => 5,
             DrafterKind::Suffix => 6,
+            DrafterKind::PromptText => 7,
         }
     }
 
     /// A short lowercase name (`fast-forward`, `ngram`, `draft-model`, `oracle`,
-    /// `adversary`, `dspark`, `suffix`).
+    /// `adversary`, `dspark`, `suffix`, `prompt-text`).
     pub fn name(self) -> &'static str {
         match self {
             DrafterKind::FastForward => "fast-forward",
@@ -63,6 +67,7 @@ impl DrafterKind {
             DrafterKind::Adversary => "adversary",
             DrafterKind::Dspark => "dspark",
             DrafterKind::Suffix => "suffix",
+            DrafterKind::PromptText => "prompt-text",
         }
     }
 

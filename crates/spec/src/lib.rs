@@ -11,7 +11,8 @@
 //! token, so output with speculation on is identical to plain decoding (G2).
 //!
 //! Drafters: [`SuffixDrafter`] (the cross-request [`SuffixIndex`] of earlier requests'
-//! sequences, shared by an engine's sequences), [`NgramDrafter`] (prompt lookup),
+//! sequences, shared by an engine's sequences), [`PromptTextDrafter`] (JSON values from
+//! the prompt text by the record layout learned per key), [`NgramDrafter`] (prompt lookup),
 //! [`FastForward`] (grammar-forced tokens),
 //! [`DraftModelDrafter`] (a smaller model with the same tokenizer, its own KV, coupled
 //! noise), [`DsparkDrafter`] (DeepSeek V4's DSpark block drafter over the target's captured
@@ -26,6 +27,7 @@ mod drafter;
 mod dspark;
 mod ngram;
 mod policy;
+mod prompt_text;
 mod stats;
 mod suffix;
 #[cfg(any(test, feature = "testing"))]
@@ -41,6 +43,7 @@ pub use policy::{
     Acceptance, CURVE_ROWS, CostModel, Gate, MIN_GAIN, Plan, PolicyConfig, SeqPolicy, best_k,
     best_k_by, expected_rate,
 };
+pub use prompt_text::PromptTextDrafter;
 pub use stats::{KindCounts, SpecStats};
 pub use suffix::{MAX_SCAN, RECENT, SuffixConfig, SuffixCounters, SuffixDrafter, SuffixIndex};
 #[cfg(any(test, feature = "testing"))]
@@ -72,12 +75,16 @@ pub struct DrafterSet {
     pub dspark: Option<Arc<DsparkDraft>>,
     /// The cross-request suffix index (one per engine), tried first.
     pub suffix: Option<Arc<SuffixIndex>>,
+    /// Under a grammar, JSON values from the prompt text by the record layout
+    /// ([`PromptTextDrafter`]; needs the tokenizer), tried before the suffix index.
+    pub prompt_text: bool,
 }
 
 impl PartialEq for DrafterSet {
     fn eq(&self, other: &Self) -> bool {
         self.fast_forward == other.fast_forward
             && self.ngram == other.ngram
+            && self.prompt_text == other.prompt_text
             && match (&self.draft_model, &other.draft_model) {
                 (None, None) => true,
                 (Some(a), Some(b)) => Arc::ptr_eq(a, b),
@@ -104,6 +111,7 @@ impl DrafterSet {
             && self.draft_model.is_none()
             && self.dspark.is_none()
             && self.suffix.is_none()
+            && !self.prompt_text
     }
 
     /// n-gram (keys up to `max_n`) and fast-forward: the free drafters.
@@ -117,20 +125,22 @@ impl DrafterSet {
             draft_model: None,
             dspark: None,
             suffix: None,
+            prompt_text: false,
         }
     }
 
-    /// The free drafters with a fresh cross-request index: suffix (`cfg`), n-gram (keys
-    /// up to `max_n`) and fast-forward.
+    /// The free drafters with a fresh cross-request index: prompt text, suffix (`cfg`),
+    /// n-gram (keys up to `max_n`) and fast-forward.
     pub fn free_with_suffix(max_n: usize, cfg: SuffixConfig) -> DrafterSet {
         DrafterSet {
             suffix: Some(Arc::new(SuffixIndex::new(cfg))),
+            prompt_text: true,
             ..DrafterSet::free(max_n)
         }
     }
 
-    /// A chain for one new sequence: fast-forward, then the suffix index, n-gram, DSpark,
-    /// the draft model.
+    /// A chain for one new sequence: fast-forward, then the prompt text (with a
+    /// tokenizer), the suffix index, n-gram, DSpark, the draft model.
     pub fn build(&self) -> Chain {
         self.build_with_text(None)
     }
@@ -146,6 +156,11 @@ impl DrafterSet {
     /// reads and feeds only that partition).
     pub fn build_for(&self, text: Option<&Arc<text::Tokenizer>>, partition: u64) -> Chain {
         let mut drafters: Vec<Box<dyn Drafter>> = Vec::new();
+        if self.prompt_text
+            && let Some(tok) = text
+        {
+            drafters.push(Box::new(PromptTextDrafter::new(Arc::clone(tok))));
+        }
         if let Some(ix) = &self.suffix {
             drafters.push(Box::new(ix.drafter(partition)));
         }

@@ -1,8 +1,10 @@
 //! Adaptive drafting: when to propose and how many tokens.
 //!
 //! Per sequence ([`SeqPolicy`]): per-position confidence bars, back-off after
-//! unproductive cycles (pauses double per miss, bounded ×8; the first-position bar rises
-//! +0.05 per miss, bounded +0.20; one accepted draft resets both), a margin gate (no
+//! unproductive cycles *per drafter kind* (a kind whose drafts missed pauses, the pauses
+//! doubling per consecutive miss of that kind, bounded ×8, while the other kinds keep
+//! drafting; the first-position bar rises +0.05 per consecutive miss of any kind, bounded
+//! +0.20; an accepted draft resets its kind's pause and the bar), a margin gate (no
 //! proposal when the target hesitated over the last committed token), and a draft length
 //! per drafter kind chosen by the cost model from that kind's own acceptance
 //! ([`Plan::caps`]: the suffix index's near-certain drafts are not held back by the
@@ -38,10 +40,10 @@ pub struct PolicyConfig {
 }
 
 impl Default for PolicyConfig {
-    /// Up to 8 drafts, bars 0.55/0.6/0.65, margin gate off, back-off and cost model on.
+    /// Up to 12 drafts, bars 0.55/0.6/0.65, margin gate off, back-off and cost model on.
     fn default() -> Self {
         PolicyConfig {
-            max_draft: 8,
+            max_draft: 12,
             confidence_grid: vec![0.55, 0.6, 0.65],
             margin_bar: 0.0,
             backoff: true,
@@ -454,8 +456,12 @@ pub enum Gate {
 /// One sequence's adaptive state.
 #[derive(Clone, Debug, Default)]
 pub struct SeqPolicy {
+    /// Consecutive unproductive cycles, any kind (raises the first-position bar).
     misses: u32,
-    pause_left: u32,
+    /// Per kind: consecutive unproductive cycles of that kind.
+    kind_misses: [u32; DrafterKind::COUNT],
+    /// Per kind: steps that kind still pauses (back-off).
+    pause_left: [u32; DrafterKind::COUNT],
     acceptance: [Acceptance; DrafterKind::COUNT],
     /// Cycles recorded per kind.
     recorded: [u32; DrafterKind::COUNT],
@@ -517,11 +523,18 @@ impl SeqPolicy {
             gate: None,
             caps: Vec::new(),
         };
+        // Kinds backing off this step (each pauses on its own misses only).
+        let mut paused = [false; DrafterKind::COUNT];
+        if cfg.backoff {
+            for (p, left) in paused.iter_mut().zip(self.pause_left.iter_mut()) {
+                if *left > 0 {
+                    *left -= 1;
+                    *p = true;
+                }
+            }
+        }
         if cap == 0 {
             plan.gate = Some(Gate::Room);
-        } else if cfg.backoff && self.pause_left > 0 {
-            self.pause_left -= 1;
-            plan.gate = Some(Gate::BackOff);
         } else if cfg.margin_bar > 0.0 && margin.is_some_and(|m| m < cfg.margin_bar) {
             plan.gate = Some(Gate::Margin);
         } else if cfg.cost_model {
@@ -559,10 +572,21 @@ impl SeqPolicy {
                     }
                 })
                 .collect();
+            let priced = caps.iter().any(|&k| k > 0);
+            let caps: Vec<usize> = caps
+                .into_iter()
+                .zip(paused)
+                .map(|(k, p)| if p { 0 } else { k })
+                .collect();
             plan.max_draft = caps.iter().copied().max().unwrap_or(0);
             plan.caps = caps;
             if plan.max_draft == 0 {
-                plan.gate = Some(Gate::Cost);
+                plan.gate = Some(if priced { Gate::BackOff } else { Gate::Cost });
+            }
+        } else if paused.iter().any(|&p| p) {
+            plan.caps = paused.iter().map(|&p| if p { 0 } else { cap }).collect();
+            if paused.iter().all(|&p| p) || self.only_paused_kinds_drafted(&paused) {
+                plan.gate = Some(Gate::BackOff);
             }
         }
         if plan.gate.is_some() {
@@ -585,7 +609,8 @@ impl SeqPolicy {
         let probe = std::mem::take(&mut self.probing[i]);
         if accepted > 0 {
             self.misses = 0;
-            self.pause_left = 0;
+            self.kind_misses[i] = 0;
+            self.pause_left[i] = 0;
             self.probe_every[i] = COST_PROBE_EVERY;
         } else {
             if probe {
@@ -593,8 +618,15 @@ impl SeqPolicy {
                     (self.probe_every[i].max(COST_PROBE_EVERY) * 2).min(COST_PROBE_MAX);
             }
             self.misses += 1;
-            self.pause_left = 1u32 << (self.misses - 1).min(3);
+            self.kind_misses[i] += 1;
+            self.pause_left[i] = 1u32 << (self.kind_misses[i] - 1).min(3);
         }
+    }
+
+    /// Whether every kind that has drafted in this sequence is paused (without the cost
+    /// model: then nothing would draft, which is a back-off step).
+    fn only_paused_kinds_drafted(&self, paused: &[bool; DrafterKind::COUNT]) -> bool {
+        self.recorded.iter().zip(paused).all(|(&n, &p)| n == 0 || p)
     }
 }
 
@@ -629,6 +661,40 @@ mod tests {
         assert_eq!(plan.gate, None);
         assert_eq!(plan.bars[0], 0.55);
         assert_eq!(plan.max_draft, 8);
+    }
+
+    #[test]
+    fn a_kind_that_misses_backs_off_alone_while_the_others_draft() {
+        let mut c = CostModel::new();
+        convex_curve(&mut c);
+        let cfg = PolicyConfig::default();
+        let mut p = SeqPolicy::new();
+        for _ in 0..6 {
+            p.record(Some(DrafterKind::Suffix), 4, 4);
+        }
+        // The n-gram misses twice: it pauses 2 steps, the suffix index drafts on.
+        p.record(Some(DrafterKind::Ngram), 2, 0);
+        p.record(Some(DrafterKind::Ngram), 2, 0);
+        let (ngram, suffix) = (DrafterKind::Ngram.index(), DrafterKind::Suffix.index());
+        for _ in 0..2 {
+            let plan = p.plan(&cfg, &c, 8, None);
+            assert_eq!(plan.gate, None, "{plan:?}");
+            assert_eq!(plan.caps[ngram], 0, "{plan:?}");
+            assert!(plan.caps[suffix] >= 7, "{plan:?}");
+        }
+        // Its pause is over; a suffix miss does not pause the n-gram.
+        p.record(Some(DrafterKind::Suffix), 4, 0);
+        let plan = p.plan(&cfg, &c, 8, None);
+        assert_eq!(plan.caps[suffix], 0, "{plan:?}");
+        // Without the cost model: the only kind that drafted is paused, a back-off step.
+        let cfg = PolicyConfig {
+            cost_model: false,
+            ..PolicyConfig::default()
+        };
+        let mut q = SeqPolicy::new();
+        q.record(Some(DrafterKind::Ngram), 2, 0);
+        assert_eq!(q.plan(&cfg, &c, 8, None).gate, Some(Gate::BackOff));
+        assert_eq!(q.plan(&cfg, &c, 8, None).gate, None);
     }
 
     #[test]
@@ -667,7 +733,7 @@ mod tests {
         p.record(Some(DrafterKind::Ngram), 4, 0);
         let mut p = SeqPolicy {
             misses: 0,
-            pause_left: 0,
+            pause_left: [0; DrafterKind::COUNT],
             ..p
         };
         let ngram = DrafterKind::Ngram.index();
@@ -808,7 +874,7 @@ mod tests {
         }
         let p = &mut SeqPolicy {
             misses: 0,
-            pause_left: 0,
+            pause_left: [0; DrafterKind::COUNT],
             ..p
         };
         let plan = p.plan(&cfg, &c, 8, None);

@@ -153,6 +153,7 @@ fn check_all_drafters(
                     draft_model: Some(dm),
                     dspark: None,
                     suffix: None,
+                    prompt_text: false,
                 })
             },
         );
@@ -386,6 +387,7 @@ fn qwen_coder_half_b_drafting_for_one_and_a_half_b_equals_plain_decoding() {
                 draft_model: Some(dm),
                 dspark: None,
                 suffix: None,
+                prompt_text: false,
             })
         },
     );

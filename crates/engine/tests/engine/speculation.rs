@@ -242,6 +242,7 @@ fn grammar_fast_forward_drafts_forced_tokens_and_matches_plain_decoding() {
             draft_model: None,
             dspark: None,
             suffix: None,
+            prompt_text: false,
         },
         PolicyConfig::default(),
     );
@@ -323,6 +324,7 @@ fn an_ngram_drafter_proposes_the_prompts_repeats() {
             draft_model: None,
             dspark: None,
             suffix: None,
+            prompt_text: false,
         },
         PolicyConfig::always(4),
     );

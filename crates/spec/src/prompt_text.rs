@@ -1,0 +1,706 @@
+//! Drafts for structured output from the prompt text, by the record layout learned per
+//! JSON key.
+//!
+//! Extraction (CSV, log lines, `key: value` text, an HTML table to JSON) writes the
+//! prompt's values in order while the grammar writes the syntax. The [`PromptTextDrafter`]
+//! follows the output with a small JSON scanner and, each time a value is complete, finds
+//! it in the prompt text (a *location*). Per key it learns the value's left context (the
+//! bytes before it in the prompt, common to its locations: `,"` in CSV, `\nEmail: `, `>`
+//! in a table) and its right context, and per pair of consecutive located keys how many
+//! left contexts lie between the end of the first value and the start of the second (a
+//! *relation*). When the output opens a value of key `K`, the value is predicted from the
+//! most recent location: after the end of that value, the `n`-th occurrence of `K`'s left
+//! context starts it and its right context ends it (with no relation from that key, the
+//! relation of `K` to its own previous value is used). The text is re-encoded on its own,
+//! which is how a model writes a value it copies, and every token passes the grammar
+//! mirror. It drafts only under a constraint, inside JSON: free text is the other
+//! drafters' business.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use text::{EncodeOptions, Tokenizer};
+
+use crate::drafter::{DraftContext, DraftProposal, Drafter, DrafterKind, Mirror};
+
+/// Separator standing in for a special token in the prompt text.
+const SPECIAL: u8 = 0xFF;
+/// Longest left or right context kept.
+const MAX_CONTEXT: usize = 16;
+/// Longest value predicted, bytes.
+const MAX_VALUE: usize = 160;
+/// Shortest value located in the prompt (shorter ones are too ambiguous).
+const MIN_LOCATED: usize = 2;
+/// Locations kept per key for its contexts.
+const KEEP: usize = 3;
+/// Most bytes searched ahead of the reference point for a partly written value.
+const RESYNC: usize = 512;
+
+fn is_value_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || (b >= 0x80 && b != SPECIAL)
+}
+
+/// A JSON container being written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Frame {
+    object: bool,
+    /// An object's current key; an array inherits its parent's.
+    key: Vec<u8>,
+}
+
+/// A value of the output found in the prompt text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Located {
+    key: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+/// The scanner's state and what it learned (cloned per proposal, then advanced over the
+/// drafts).
+#[derive(Clone, Debug, Default)]
+struct State {
+    stack: Vec<Frame>,
+    expect_key: bool,
+    in_string: bool,
+    string_is_key: bool,
+    escape: bool,
+    in_number: bool,
+    /// The string or number being written (raw bytes).
+    buf: Vec<u8>,
+    /// Locations in output order (the last [`KEEP`] per key and the most recent one
+    /// matter).
+    located: Vec<Located>,
+    /// (previous key, key) → (left context, occurrences from the previous value's end).
+    relations: HashMap<KeyPair, (Vec<u8>, usize)>,
+}
+
+/// (previous key, key) of a relation.
+type KeyPair = (Vec<u8>, Vec<u8>);
+
+impl State {
+    fn key(&self) -> Vec<u8> {
+        self.stack.last().map(|f| f.key.clone()).unwrap_or_default()
+    }
+
+    fn feed(&mut self, src: &[u8], b: u8) {
+        if self.in_string {
+            if self.escape {
+                self.escape = false;
+                self.buf.push(b);
+            } else if b == b'\\' {
+                self.escape = true;
+                self.buf.push(b);
+            } else if b == b'"' {
+                self.in_string = false;
+                if self.string_is_key {
+                    if let Some(f) = self.stack.last_mut() {
+                        f.key = std::mem::take(&mut self.buf);
+                    }
+                } else {
+                    let v = std::mem::take(&mut self.buf);
+                    self.complete(src, &v);
+                }
+            } else {
+                self.buf.push(b);
+            }
+            return;
+        }
+        if self.in_number {
+            if b.is_ascii_digit() || matches!(b, b'.' | b'-' | b'+' | b'e' | b'E') {
+                self.buf.push(b);
+                return;
+            }
+            self.in_number = false;
+            let v = std::mem::take(&mut self.buf);
+            self.complete(src, &v);
+        }
+        if self.stack.is_empty() && b != b'{' && b != b'[' {
+            return; // text around the JSON
+        }
+        match b {
+            b'{' | b'[' => {
+                let key = self.key();
+                self.stack.push(Frame {
+                    object: b == b'{',
+                    key,
+                });
+                self.expect_key = b == b'{';
+            }
+            b'}' | b']' => {
+                self.stack.pop();
+                self.expect_key = false;
+            }
+            b',' => self.expect_key = self.stack.last().is_some_and(|f| f.object),
+            b':' => self.expect_key = false,
+            b'"' => {
+                self.in_string = true;
+                self.string_is_key = self.expect_key && self.stack.last().is_some_and(|f| f.object);
+                self.buf.clear();
+            }
+            b'-' | b'0'..=b'9' if !self.expect_key => {
+                self.in_number = true;
+                self.buf.clear();
+                self.buf.push(b);
+            }
+            _ => {}
+        }
+    }
+
+    /// Where the next value of `key` is predicted to start in `src`: after the most
+    /// recent location, by the relation of its key to `key` (else `key`'s own previous
+    /// location and relation). Also returns the reference end.
+    fn predict(&self, src: &[u8], key: &[u8]) -> Option<(usize, usize)> {
+        let last = self.located.last()?;
+        let by_pair = self
+            .relations
+            .get(&(last.key.clone(), key.to_vec()))
+            .map(|(l, n)| (last.end, l.clone(), *n));
+        let by_self = || {
+            let own = self.located.iter().rev().find(|l| l.key == key)?;
+            let (l, n) = self.relations.get(&(key.to_vec(), key.to_vec()))?;
+            Some((own.end, l.clone(), *n))
+        };
+        // With no relation yet: the next occurrence of the key's own left context.
+        let next = || {
+            let own: Vec<&Located> = self
+                .located
+                .iter()
+                .rev()
+                .filter(|l| l.key == key)
+                .take(KEEP)
+                .collect();
+            let (first, rest) = own.split_first()?;
+            let left = left_context(src, first.start, rest);
+            Some((last.end, left, 1))
+        };
+        // A key never located yet (the first record): the next field, by the left
+        // context of the value before it.
+        let next_field = || {
+            if self.located.iter().any(|l| l.key == key) {
+                return None;
+            }
+            let own: Vec<&Located> = self
+                .located
+                .iter()
+                .rev()
+                .filter(|l| l.key == last.key)
+                .take(KEEP)
+                .collect();
+            let (first, rest) = own.split_first()?;
+            Some((last.end, left_context(src, first.start, rest), 1))
+        };
+        let (from, left, n) = by_pair.or_else(by_self).or_else(next).or_else(next_field)?;
+        nth_after(src, from, &left, n).map(|q| (q, from))
+    }
+
+    /// A value of the current key was completed: locate it in `src` and learn.
+    fn complete(&mut self, src: &[u8], v: &[u8]) {
+        if v.len() < MIN_LOCATED || v.contains(&b'\\') {
+            return;
+        }
+        let key = self.key();
+        let predicted = self.predict(src, &key).map(|p| p.0);
+        let after = self.located.last().map_or(0, |l| l.end);
+        let start = match predicted {
+            Some(q) if src[q..].starts_with(v) => Some(q),
+            _ => find(&src[after..], v)
+                .map(|p| after + p)
+                .or_else(|| find(src, v)),
+        };
+        let Some(start) = start else { return };
+        let loc = Located {
+            key: key.clone(),
+            start,
+            end: start + v.len(),
+        };
+        let own: Vec<&Located> = self
+            .located
+            .iter()
+            .rev()
+            .filter(|l| l.key == key)
+            .take(KEEP - 1)
+            .collect();
+        let left = left_context(src, start, &own);
+        if !left.is_empty() {
+            // Relations to the previous location and to this key's own previous one.
+            let prev = self.located.last().cloned();
+            for p in prev.iter().chain(own.first().copied()) {
+                if p.end <= start
+                    && let Some(n) = count_to(src, p.end, &left, start)
+                {
+                    self.relations
+                        .insert((p.key.clone(), key.clone()), (left.clone(), n));
+                }
+            }
+        }
+        self.located.push(loc);
+        // Keep the list short: the last KEEP per key.
+        if self.located.len() > 64 {
+            let mut seen: HashMap<Vec<u8>, usize> = HashMap::new();
+            let mut keep: Vec<Located> = Vec::new();
+            for l in self.located.iter().rev() {
+                let c = seen.entry(l.key.clone()).or_default();
+                if *c < KEEP {
+                    *c += 1;
+                    keep.push(l.clone());
+                }
+            }
+            keep.reverse();
+            self.located = keep;
+        }
+    }
+}
+
+/// The left context of a value at `start`: with earlier locations of the key, the bytes
+/// before all of them in common (at most [`MAX_CONTEXT`]); with none, the run of non-value
+/// bytes just before it. Empty when there is none.
+fn left_context(src: &[u8], start: usize, own: &[&Located]) -> Vec<u8> {
+    let before = |s: usize| &src[s.saturating_sub(MAX_CONTEXT)..s];
+    let mine = before(start);
+    let mut n = if own.is_empty() {
+        mine.iter()
+            .rev()
+            .take_while(|&&b| !is_value_byte(b) && b != SPECIAL)
+            .count()
+            .min(8)
+    } else {
+        own.iter()
+            .map(|l| {
+                let other = before(l.start);
+                mine.iter()
+                    .rev()
+                    .zip(other.iter().rev())
+                    .take_while(|(a, b)| a == b)
+                    .count()
+            })
+            .min()
+            .unwrap_or(0)
+    };
+    if let Some(p) = mine[mine.len() - n..].iter().rposition(|&b| b == SPECIAL) {
+        n -= p + 1;
+    }
+    // Never from the middle of a word (`m\n` of two values ending alike).
+    let c = &mine[mine.len() - n..];
+    if n < mine.len() && is_value_byte(mine[mine.len() - n - 1]) {
+        n -= c.iter().take_while(|&&b| is_value_byte(b)).count();
+    }
+    mine[mine.len() - n..].to_vec()
+}
+
+/// The right context of a value ending at `end` (as [`left_context`], after the value).
+fn right_context(src: &[u8], end: usize, own: &[&Located]) -> Vec<u8> {
+    let after = |e: usize| &src[e..(e + MAX_CONTEXT).min(src.len())];
+    let mine = after(end);
+    let n = if own.len() < 2 {
+        mine.iter()
+            .take_while(|&&b| !is_value_byte(b) && b != SPECIAL)
+            .count()
+            .clamp(usize::from(!mine.is_empty()), 8)
+    } else {
+        own.iter()
+            .filter(|l| l.end != end)
+            .map(|l| {
+                mine.iter()
+                    .zip(after(l.end))
+                    .take_while(|(a, b)| a == b)
+                    .count()
+            })
+            .min()
+            .unwrap_or(0)
+    };
+    let mut n = n.min(mine.len());
+    // Never into the middle of a word (`\nEmail: a` of two values followed alike).
+    if n < mine.len() && is_value_byte(mine[n]) {
+        n -= mine[..n]
+            .iter()
+            .rev()
+            .take_while(|&&b| is_value_byte(b))
+            .count();
+    }
+    mine[..n].to_vec()
+}
+
+/// How many occurrences of `left` end in `(from, to]`, if one ends exactly at `to`.
+fn count_to(src: &[u8], from: usize, left: &[u8], to: usize) -> Option<usize> {
+    if !src[..to].ends_with(left) {
+        return None;
+    }
+    Some(
+        (from + 1..=to)
+            .filter(|&q| q >= left.len() && src[q - left.len()..q] == *left)
+            .count(),
+    )
+}
+
+/// The position just after the `n`-th occurrence of `left` ending after `from`.
+fn nth_after(src: &[u8], from: usize, left: &[u8], n: usize) -> Option<usize> {
+    if left.is_empty() || n == 0 {
+        return None;
+    }
+    let mut seen = 0;
+    for q in from + 1..=src.len() {
+        if q >= left.len() && src[q - left.len()..q] == *left {
+            seen += 1;
+            if seen == n {
+                return Some(q);
+            }
+        }
+    }
+    None
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    if needle.is_empty() || needle.len() > hay.len() {
+        return None;
+    }
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Drafts JSON values from the prompt text by the record layout: see the module docs.
+#[derive(Clone, Debug)]
+pub struct PromptTextDrafter {
+    tok: Arc<Tokenizer>,
+    /// The prompt as bytes (special tokens as [`SPECIAL`]); built on first use.
+    src: Vec<u8>,
+    built: bool,
+    /// The scanner after the committed output.
+    state: State,
+    /// Committed tokens folded into `state`.
+    seen: usize,
+}
+
+impl PromptTextDrafter {
+    /// A drafter decoding the prompt and re-encoding values with `tok`.
+    pub fn new(tok: Arc<Tokenizer>) -> PromptTextDrafter {
+        PromptTextDrafter {
+            tok,
+            src: Vec::new(),
+            built: false,
+            state: State::default(),
+            seen: 0,
+        }
+    }
+
+    fn bytes(&self, t: u32) -> &[u8] {
+        if self.tok.is_special(t) {
+            return &[];
+        }
+        self.tok.token_bytes(t).unwrap_or(&[])
+    }
+
+    fn ensure_prompt(&mut self, tokens: &[u32], prompt_len: usize) {
+        if self.built {
+            return;
+        }
+        let n = prompt_len.min(tokens.len());
+        for &t in &tokens[..n] {
+            if self.tok.is_special(t) {
+                self.src.push(SPECIAL);
+            } else if let Some(b) = self.tok.token_bytes(t) {
+                self.src.extend_from_slice(b);
+            }
+        }
+        self.built = true;
+        self.seen = n;
+    }
+
+    fn advance(&self, st: &mut State, tokens: &[u32]) {
+        for &t in tokens {
+            for &b in self.bytes(t) {
+                st.feed(&self.src, b);
+            }
+        }
+    }
+
+    /// The text the value being written continues with, from the prompt: `None` when
+    /// there is no prediction.
+    fn predict_text(&self, st: &State) -> Option<Vec<u8>> {
+        let key = st.key();
+        let writing = st.in_string && !st.string_is_key;
+        let at_value = !st.in_string
+            && !st.in_number
+            && !st.expect_key
+            && st.stack.last().is_some_and(|f| f.object);
+        if !(writing || st.in_number || at_value) || st.escape {
+            return None;
+        }
+        let (q, from) = st.predict(&self.src, &key)?;
+        let src = &self.src;
+        let done = &st.buf;
+        let start = if src[q..].starts_with(done) {
+            q + done.len()
+        } else if done.len() >= 3 {
+            let hi = (from + RESYNC).min(src.len());
+            from + find(&src[from..hi], done)? + done.len()
+        } else {
+            return None;
+        };
+        let mut own: Vec<&Located> = st
+            .located
+            .iter()
+            .rev()
+            .filter(|l| l.key == key)
+            .take(KEEP)
+            .collect();
+        if own.is_empty()
+            && let Some(last) = st.located.last()
+        {
+            // The first record: the right context of the value before it.
+            own.push(last);
+        }
+        let right = match own.first() {
+            Some(l) => right_context(src, l.end, &own),
+            None => return None,
+        };
+        let hi = (start + MAX_VALUE).min(src.len());
+        let window = &src[start..hi];
+        // The right context, else its first byte (the last record), else the text's end.
+        let end = start
+            + right
+                .first()
+                .and_then(|&b0| find(window, &right).or_else(|| find(window, &[b0])))
+                .or_else(|| window.iter().position(|&b| b == SPECIAL))
+                .unwrap_or(window.len());
+        let text = &src[start..end];
+        if text.is_empty() || text.contains(&SPECIAL) {
+            return None;
+        }
+        Some(text.to_vec())
+    }
+}
+
+impl Drafter for PromptTextDrafter {
+    fn kind(&self) -> DrafterKind {
+        DrafterKind::PromptText
+    }
+
+    fn propose(&mut self, ctx: &DraftContext<'_>, mirror: &mut Mirror<'_>) -> DraftProposal {
+        let mut out = DraftProposal::default();
+        let k = ctx.max_draft.min(ctx.max_tokens);
+        if k == 0 || !mirror.is_constrained() || mirror.is_stopped() || self.tok.add_space_prefix()
+        {
+            return out;
+        }
+        self.ensure_prompt(ctx.tokens, ctx.prompt_len);
+        let mut st = self.state.clone();
+        self.advance(&mut st, &ctx.tokens[self.seen.min(ctx.tokens.len())..]);
+        let Some(text) = self.predict_text(&st) else {
+            return out;
+        };
+        let Ok(text) = std::str::from_utf8(&text) else {
+            return out;
+        };
+        for t in self.tok.encode(text, EncodeOptions::plain_text()) {
+            if out.tokens.len() >= k || !mirror.try_push(t) {
+                break;
+            }
+            out.tokens.push(t);
+        }
+        if !out.tokens.is_empty() {
+            out.source = Some(DrafterKind::PromptText);
+        }
+        out
+    }
+
+    fn observe(&mut self, committed: &[u32]) {
+        if !self.built {
+            return;
+        }
+        let from = self.seen.min(committed.len());
+        let mut st = std::mem::take(&mut self.state);
+        self.advance(&mut st, &committed[from..]);
+        self.state = st;
+        self.seen = committed.len().max(self.seen);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sampling::{SamplingParams, TokenMask};
+
+    /// A byte-level tokenizer (one token per byte), so text and tokens map one to one.
+    fn tokenizer() -> Arc<Tokenizer> {
+        let printable = |b: u8| matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
+        let tokens: Vec<String> = (0..=255u8)
+            .map(|b| {
+                if printable(b) {
+                    char::from(b).to_string()
+                } else {
+                    let k = (0..b).filter(|&x| !printable(x)).count() as u32;
+                    char::from_u32(256 + k).expect("valid").to_string()
+                }
+            })
+            .collect();
+        Arc::new(
+            Tokenizer::from_spec(&text::VocabSpec {
+                model: "gpt2",
+                pre: "qwen2",
+                tokens: &tokens,
+                merges: &[],
+                ..text::VocabSpec::default()
+            })
+            .expect("tokenizer"),
+        )
+    }
+
+    /// A constraint that allows everything but counts as a grammar (the drafter only
+    /// works under one).
+    struct AnyJson;
+    impl sampling::TokenConstraint for AnyJson {
+        fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), sampling::ConstraintError> {
+            mask.fill_words(256, |_| u64::MAX);
+            Ok(())
+        }
+        fn accepts(&mut self, _: u32) -> bool {
+            true
+        }
+        fn consume(&mut self, _: u32) -> Result<(), sampling::ConstraintError> {
+            Ok(())
+        }
+        fn rollback(&mut self, _: usize) -> Result<(), sampling::ConstraintError> {
+            Ok(())
+        }
+        fn fork(&self) -> Box<dyn sampling::TokenConstraint> {
+            Box::new(AnyJson)
+        }
+        fn is_finished(&self) -> bool {
+            false
+        }
+    }
+
+    fn draft(d: &mut PromptTextDrafter, tokens: &[u32], prompt_len: usize) -> String {
+        let params = SamplingParams::greedy();
+        let never = TokenMask::new(256);
+        let ctx = DraftContext {
+            tokens,
+            prompt_len,
+            params: &params,
+            never: &never,
+            max_tokens: 64,
+            max_draft: 64,
+            kind_caps: &[],
+            allow_costly: true,
+            bars: &[],
+            eos_ends: false,
+            eos: &[],
+            target: None,
+        };
+        let mut g = AnyJson;
+        let mut m = Mirror::new(&mut g, 256);
+        let p = d.propose(&ctx, &mut m);
+        let b: Vec<u8> = p.tokens.iter().map(|&t| t as u8).collect();
+        String::from_utf8(b).expect("utf-8")
+    }
+
+    fn enc(tok: &Tokenizer, s: &str) -> Vec<u32> {
+        tok.encode(s, EncodeOptions::plain_text())
+    }
+
+    const CSV: &str = "name,city,email\nAda Lovelace,London,ada@example.com\n\
+                       Alan Turing,Wilmslow,alan@example.org\n\
+                       Grace Hopper,Arlington,grace@example.net\n";
+
+    #[test]
+    fn predicts_the_next_records_value_of_a_csv_to_json_extraction() {
+        let tok = tokenizer();
+        let prompt = enc(&tok, CSV);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        // The first record is written by the target: the layout is learned from it.
+        toks.extend(enc(
+            &tok,
+            "[{\"name\":\"Ada Lovelace\",\"city\":\"London\",\"email\":\"ada@example.com\"},",
+        ));
+        d.observe(&toks);
+        // The second record's name: after the previous email, one line further.
+        toks.extend(enc(&tok, "{\"name\":\""));
+        // One location per key: the left context is the run of delimiters before it
+        // (`\n` for the name), counted once from the previous value.
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "Alan Turing");
+        toks.extend(enc(&tok, "Alan Turing\",\"city\":\""));
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "Wilmslow");
+        toks.extend(enc(&tok, "Wilmslow\",\"email\":\""));
+        d.observe(&toks);
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "alan@example.org");
+        // Partly written: the rest of the value.
+        toks.extend(enc(&tok, "alan@"));
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "example.org");
+        toks.extend(enc(&tok, "example.org\"},{\"name\":\""));
+        d.observe(&toks);
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "Grace Hopper");
+    }
+
+    #[test]
+    fn the_layout_skips_fields_the_output_does_not_copy() {
+        // key: value records; the output keeps name and plan only, so the relation
+        // from one record's plan to the next record's name spans the skipped fields.
+        let tok = tokenizer();
+        let text = "Name: Ada\nEmail: ada@x.com\nPlan: premium\n\n\
+                    Name: Alan\nEmail: alan@y.org\nPlan: team\n\n\
+                    Name: Grace\nEmail: g@z.net\nPlan: free\n";
+        let prompt = enc(&tok, text);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(
+            &tok,
+            "[{\"n\":\"Ada\",\"p\":\"premium\"},{\"n\":\"Alan\",\"p\":\"team\"},{\"n\":\"",
+        ));
+        d.observe(&toks);
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "Grace");
+        toks.extend(enc(&tok, "Grace\",\"p\":\""));
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "free");
+    }
+
+    #[test]
+    fn nothing_without_a_grammar_a_layout_or_inside_a_key() {
+        let tok = tokenizer();
+        let prompt = enc(&tok, CSV);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        // No record written yet: no layout.
+        toks.extend(enc(&tok, "[{\"name\":\""));
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "");
+        // Unconstrained: nothing either.
+        toks.extend(enc(
+            &tok,
+            "Ada Lovelace\",\"city\":\"London\"},{\"name\":\"",
+        ));
+        let params = SamplingParams::greedy();
+        let never = TokenMask::new(256);
+        let ctx = DraftContext {
+            tokens: &toks,
+            prompt_len: prompt.len(),
+            params: &params,
+            never: &never,
+            max_tokens: 8,
+            max_draft: 8,
+            kind_caps: &[],
+            allow_costly: true,
+            bars: &[],
+            eos_ends: false,
+            eos: &[],
+            target: None,
+        };
+        assert!(d.propose(&ctx, &mut Mirror::unconstrained()).is_empty());
+        // Inside a key: nothing.
+        toks.extend(enc(&tok, "Alan Turing\",\"ci"));
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "");
+    }
+
+    #[test]
+    fn the_scanner_tracks_keys_through_nesting() {
+        let mut st = State::default();
+        for &b in b"{\"a\":{\"b\":[1,{\"c\":\"x" {
+            st.feed(b"", b);
+        }
+        assert!(st.in_string && !st.string_is_key);
+        assert_eq!(st.key(), b"c");
+        for &b in b"\"}],\"d\":" {
+            st.feed(b"", b);
+        }
+        assert_eq!(st.key(), b"d");
+        assert!(!st.expect_key);
+    }
+}
