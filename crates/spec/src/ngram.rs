@@ -29,7 +29,7 @@ pub struct NgramConfig {
     /// Shortest key accepted (1 = a single-token match proposes a continuation).
     pub min_n: usize,
     /// Under a constraint, follow the prompt in text space first (see
-    /// [`crate::text_cursor`]); needs the tokenizer ([`NgramDrafter::with_text`]).
+    /// the `text_cursor` module); needs the tokenizer ([`NgramDrafter::with_text`]).
     pub text_cursor: bool,
 }
 

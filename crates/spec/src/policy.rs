@@ -248,7 +248,7 @@ impl CostModel {
     /// Estimated time of a step of `rows` rows, ms: the current one-row mean times that
     /// row count's measured ratio to it (the curve's shape, so a change of load since
     /// the longer steps were measured moves every estimate alike), else the measured
-    /// mean of that row count, once either has [`CURVE_MIN_SAMPLES`] steps; between two
+    /// mean of that row count, once either has `CURVE_MIN_SAMPLES` steps; between two
     /// such counts, interpolated; else the linear fit (scaled to the current one-row
     /// time once that is measured) — never less than the estimate of fewer rows (more rows never cost
     /// less).
@@ -321,7 +321,7 @@ impl CostModel {
     }
 
     /// `(a, b)` of the fit `ms = a + b·rows` (b ≥ 0; a ≥ b). Falls back to a mean step
-    /// time with [`DEFAULT_ROW_FRACTION`] per extra row while the rows do not vary.
+    /// time with `DEFAULT_ROW_FRACTION` per extra row while the rows do not vary.
     pub fn fit(&self) -> (f64, f64) {
         if self.n < 1e-9 {
             return (1.0, DEFAULT_ROW_FRACTION);
@@ -397,7 +397,7 @@ impl CostModel {
     /// Whether a costly drafter (the draft model, DSpark) is expected to pay: the best draft
     /// length under the measured verify-cost curve, drafting time and acceptance is at
     /// least 1. A drafter judged a
-    /// loss is still probed once every [`PROBE_EVERY`] calls, so the judgement can change.
+    /// loss is still probed once every `PROBE_EVERY` calls, so the judgement can change.
     pub fn costly_pays(&mut self, max_draft: usize) -> bool {
         // The costly kinds with enough evidence to judge (the draft model, DSpark).
         let judged: Vec<DrafterKind> = [DrafterKind::DraftModel, DrafterKind::Dspark]
