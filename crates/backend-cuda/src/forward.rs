@@ -475,9 +475,18 @@ impl CudaBackend {
     }
 }
 
+/// Prompt rows per forward the engine gives the GPU by default: the wide tensor-core
+/// tiles (64 rows) fill the multiprocessors only with many row tiles, so a 256-row chunk
+/// leaves most of them idle on the narrow matrices (BENCHMARKS.md, issue 19).
+pub const CUDA_PREFILL_CHUNK: usize = 1024;
+
 impl ForwardBackend for CudaBackend {
     fn n_vocab(&self) -> usize {
         self.model.cfg.n_vocab
+    }
+
+    fn preferred_prefill_chunk(&self) -> usize {
+        CUDA_PREFILL_CHUNK
     }
 
     fn max_context(&self) -> usize {

@@ -29,7 +29,7 @@ pub struct BenchArgs {
     pub models: Vec<String>,
 
     /// Prompt-processing test sizes: one prefill of N tokens, in chunks of the engine's
-    /// prefill chunk (256 rows); comma-separated or repeated, 0 = none
+    /// prefill chunk (--prefill-chunk); comma-separated or repeated, 0 = none
     #[arg(short = 'p', long = "n-prompt", value_name = "N", value_delimiter = ',', default_values_t = [512])]
     pub n_prompt: Vec<usize>,
 
@@ -116,6 +116,12 @@ pub struct BenchArgs {
     /// bandwidth bound they reach)
     #[arg(long = "no-bandwidth")]
     pub no_bandwidth: bool,
+
+    /// Rows per prefill forward in the pp tests (default: the engine's, 256 on the CPU,
+    /// 1024 on CUDA)
+    #[arg(long = "prefill-chunk", value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub prefill_chunk: Option<u32>,
 
     /// With --spec: most draft tokens per verify cycle
     #[arg(
@@ -272,6 +278,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             threads: args.threads.first().copied(),
             max_tokens: args.n_gen.first().copied().unwrap_or(128),
             json: args.output == BenchOutput::Json,
+            device: args.device,
+            prefill_chunk: args.prefill_chunk,
         };
         return crate::serve_bench::run(&args.serve, &setup, out);
     }
@@ -378,7 +386,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             };
             let model =
                 Model::load(Arc::clone(&gguf), &opts).with_context(|| format!("loading {name}"))?;
-            let mut bench = Bencher::new(&model, n_ctx)?;
+            let mut bench = Bencher::new(&model, n_ctx, args.prefill_chunk)?;
             bench.warm_up()?;
             for &test in &tests {
                 let mut samples = Vec::with_capacity(args.repetitions as usize);
@@ -498,6 +506,7 @@ fn run_device(args: &BenchArgs, tests: &[Test], out: &mut dyn Write) -> anyhow::
             ctx_size: Some(n_ctx),
             kv_type: args.kv_type,
             device: args.device,
+            prefill_chunk: args.prefill_chunk,
         };
         let loaded = crate::device::backend(&gguf, &margs, &name, None, &|n| {
             n + backend_cpu::DEFAULT_BLOCK_SIZE
@@ -510,11 +519,14 @@ fn run_device(args: &BenchArgs, tests: &[Test], out: &mut dyn Write) -> anyhow::
         let per_token = decode_bytes_per_token(&gguf);
         // Warm-up: a short prefill and a few decode steps (kernels loaded, step graphs
         // captured).
-        device_run(&mut *b, &tokens, Test::Gen(4))?;
+        let chunk = args
+            .prefill_chunk
+            .map_or_else(|| b.preferred_prefill_chunk(), |n| n as usize);
+        device_run(&mut *b, &tokens, Test::Gen(4), chunk)?;
         for &test in tests {
             let mut samples = Vec::with_capacity(args.repetitions as usize);
             for _ in 0..args.repetitions {
-                let secs = device_run(&mut *b, &tokens, test)?;
+                let secs = device_run(&mut *b, &tokens, test, chunk)?;
                 samples.push(test.tokens() as f64 / secs.max(1e-9));
             }
             let (mean, stddev) = mean_stddev(&samples);
@@ -598,15 +610,16 @@ fn run_device(args: &BenchArgs, tests: &[Test], out: &mut dyn Write) -> anyhow::
 }
 
 /// Seconds one repetition of `test` takes through backend `b` (a fresh sequence, released
-/// after): a prefill in the engine's prefill chunks, logits of the last row; or
+/// after): a prefill in chunks of `chunk` rows, logits of the last row; or
 /// `TG_PROMPT_TOKENS` of prompt, then the timed single-row decode steps.
 fn device_run(
     b: &mut dyn engine::ForwardBackend,
     tokens: &[u32],
     test: Test,
+    chunk: usize,
 ) -> anyhow::Result<f64> {
     let be = |e: engine::BackendError| anyhow::anyhow!("{e}");
-    let chunk = engine::EngineConfig::default().prefill_chunk.max(1);
+    let chunk = chunk.max(1);
     let slot = b.kv_new();
     let mut logits = Vec::new();
     let tok = |p: usize| tokens.get(p).copied().unwrap_or(0);
@@ -748,16 +761,21 @@ struct Bencher<'m> {
     scratch: model::ForwardScratch,
     tokens: Vec<u32>,
     logits: Vec<f32>,
+    /// Rows per prefill forward.
+    chunk: usize,
 }
 
 impl<'m> Bencher<'m> {
-    fn new(model: &'m Model, n_ctx: usize) -> anyhow::Result<Bencher<'m>> {
+    fn new(model: &'m Model, n_ctx: usize, chunk: Option<u32>) -> anyhow::Result<Bencher<'m>> {
         Ok(Bencher {
             model,
             kv: model.new_kv_cache(n_ctx + backend_cpu::DEFAULT_BLOCK_SIZE)?,
             scratch: model.new_scratch(),
             tokens: bench_tokens(n_ctx, model.config().n_vocab),
             logits: Vec::new(),
+            chunk: chunk.map_or(engine::EngineConfig::default().prefill_chunk, |n| {
+                n as usize
+            }),
         })
     }
 
@@ -791,9 +809,9 @@ impl<'m> Bencher<'m> {
         Ok(r?.as_secs_f64())
     }
 
-    /// Prefills tokens `0..n` in chunks of the engine's prefill chunk, logits for the last.
+    /// Prefills tokens `0..n` in chunks of `self.chunk` rows, logits for the last.
     fn prefill(&mut self, seq: &mut model::SeqKv, n: usize) -> anyhow::Result<()> {
-        let chunk = engine::EngineConfig::default().prefill_chunk.max(1);
+        let chunk = self.chunk.max(1);
         let mut start = 0;
         while start < n {
             let end = (start + chunk).min(n);

@@ -235,6 +235,9 @@ impl ForwardBackend for RecordingBackend {
     fn n_vocab(&self) -> usize {
         self.inner.n_vocab()
     }
+    fn preferred_prefill_chunk(&self) -> usize {
+        self.inner.preferred_prefill_chunk()
+    }
     fn max_context(&self) -> usize {
         self.inner.max_context()
     }

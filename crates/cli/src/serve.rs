@@ -118,6 +118,7 @@ pub fn run(args: &ServeArgs, out: &mut impl Write) -> anyhow::Result<()> {
         kv_type,
         spec: engine::SpecConfig::default(),
         disk_cache: None,
+        prefill_chunk: args.model.prefill_chunk(),
     };
     // The CPU's Runtime::open unless a GPU was asked for or `auto` may find one, or a
     // DSpark support file comes with the model: then device::backend loads it (and says

@@ -45,6 +45,13 @@ pub struct ServeBenchArgs {
     #[arg(long = "serve-max-seqs", value_name = "N", requires = "serve",
           value_parser = clap::value_parser!(u32).range(1..=256))]
     pub max_seqs: Option<u32>,
+
+    /// With --serve: each request is a raw completion of N prompt tokens (distinct token
+    /// ids per request, so no prompt is cached) instead of a short chat, as
+    /// `llama-batched-bench -npp N` measures
+    #[arg(long = "serve-prompt-tokens", value_name = "N", requires = "serve",
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub prompt_tokens: Option<u32>,
 }
 
 /// What the run needs besides the `--serve` flags (from the general bench flags).
@@ -58,6 +65,10 @@ pub struct ServeBenchSetup {
     pub max_tokens: usize,
     /// Print one JSON array instead of a Markdown table.
     pub json: bool,
+    /// Where the server's forward runs (`--device`).
+    pub device: crate::device::DeviceArg,
+    /// Prompt rows per forward (`--prefill-chunk`; `None` = the backend's).
+    pub prefill_chunk: Option<u32>,
 }
 
 /// One request's measurements.
@@ -101,17 +112,46 @@ pub fn run(
     let name = load::display_name(&setup.model, &path);
     let gguf = runtime::load::open_gguf(&path)?;
     let n_ctx = runtime::load::context_length(&gguf, None)?;
-    runtime::load::check_memory(&gguf, n_ctx, model::KvType::default())?;
-    drop(gguf);
     let mut opts = runtime::ModelOptions::new(name.clone());
     opts.threads = setup.threads;
-    opts.ctx_size = Some(n_ctx);
     opts.max_seqs = max_seqs;
     opts.queue_capacity = largest.max(64);
-    let model = Arc::new(
+    opts.prefill_chunk = setup.prefill_chunk.map(|n| n as usize);
+    // A GPU (asked for, or `auto` in a CUDA build) loads through device::backend, which
+    // bounds the context by the device's memory; the CPU checks host RAM here.
+    let on_gpu_maybe = match setup.device {
+        crate::device::DeviceArg::Cpu => false,
+        crate::device::DeviceArg::Cuda(_) => true,
+        crate::device::DeviceArg::Auto => backend_cuda::cuda_built(),
+    };
+    let served = if on_gpu_maybe {
+        let margs = crate::args::ModelArgs {
+            model: setup.model.clone(),
+            threads: setup.threads.and_then(|t| u16::try_from(t).ok()),
+            ctx_size: None,
+            kv_type: crate::args::KvTypeArg::F16,
+            device: setup.device,
+            prefill_chunk: setup.prefill_chunk,
+        };
+        let pool = opts.clone();
+        let loaded =
+            crate::device::backend(&gguf, &margs, &name, None, &|n| pool.kv_pool_tokens(n))?;
+        opts.ctx_size = Some(loaded.n_ctx);
+        drop(gguf);
+        runtime::Runtime::open_with_backend(&path, &opts, loaded.backend, &loaded.device_name)
+    } else {
+        runtime::load::check_memory(&gguf, n_ctx, model::KvType::default())?;
+        drop(gguf);
+        opts.ctx_size = Some(n_ctx);
         runtime::Runtime::open(&path, &opts)
-            .with_context(|| format!("loading {}", path.display()))?,
-    );
+    };
+    let model = Arc::new(served.with_context(|| format!("loading {}", path.display()))?);
+    let n_vocab = model.engine().n_vocab();
+    let fingerprint = model.fingerprint().to_string();
+    let request = |tag: &str, max_tokens: usize| match args.prompt_tokens {
+        Some(n) => Request::Tokens(token_prompt_body(tag, n as usize, n_vocab, max_tokens)),
+        None => Request::Chat(request_body(tag, max_tokens)),
+    };
     let server = server::BackgroundServer::start(
         SocketAddr::from(([127, 0, 0, 1], 0)),
         model,
@@ -122,11 +162,14 @@ pub fn run(
     if !setup.json {
         writeln!(
             out,
-            "lockstep serve {name} at {addr}: max-seqs {max_seqs}, {} threads, {} tokens per \
-             request, {} requests per client; load average before: {}",
+            "lockstep serve {name} at {addr} ({}): max-seqs {max_seqs}, {} threads, {}{} tokens \
+             per request, {} requests per client; load average before: {}",
+            fingerprint,
             setup
                 .threads
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+            args.prompt_tokens
+                .map_or(String::new(), |n| format!("{n} prompt tokens and ")),
             setup.max_tokens,
             args.requests_per_client,
             load_average()
@@ -139,7 +182,7 @@ pub fn run(
         out.flush()?;
     }
     // Warm-up (untimed): page in the weights, fill the kernels' caches.
-    chat_stream(addr, &request_body("warm-up", setup.max_tokens.min(8)))
+    stream_request(addr, &request("warm-up", setup.max_tokens.min(8)))
         .context("the warm-up request failed")?;
     let mut results = Vec::new();
     for (run_index, &clients) in args.clients.iter().enumerate() {
@@ -148,7 +191,7 @@ pub fn run(
             run_index,
             clients,
             args.requests_per_client as usize,
-            setup,
+            &|tag| request(tag, setup.max_tokens),
         )?;
         let result = summarize(&name, clients, setup.max_tokens, &r);
         if !setup.json {
@@ -188,7 +231,7 @@ fn run_clients(
     run_index: usize,
     clients: usize,
     requests: usize,
-    setup: &ServeBenchSetup,
+    request: &(dyn Fn(&str) -> Request + Sync),
 ) -> anyhow::Result<RunSamples> {
     let barrier = Barrier::new(clients + 1);
     let (samples, wall) = std::thread::scope(|scope| {
@@ -200,7 +243,7 @@ fn run_clients(
                     (0..requests)
                         .map(|j| {
                             let tag = format!("{run_index}-{c}-{j}");
-                            chat_stream(addr, &request_body(&tag, setup.max_tokens))
+                            stream_request(addr, &request(&tag))
                                 .with_context(|| format!("client {c}, request {j}"))
                         })
                         .collect()
@@ -282,6 +325,43 @@ fn request_body(tag: &str, max_tokens: usize) -> Value {
     })
 }
 
+/// One benchmark request: a short chat, or a raw completion of token ids.
+enum Request {
+    /// `POST /v1/chat/completions` with this body.
+    Chat(Value),
+    /// `POST /v1/completions` with this body.
+    Tokens(Value),
+}
+
+/// The raw completion of `tag`: `n` token ids drawn from a hash of the tag (distinct per
+/// request, inside the vocabulary's middle, away from the control tokens at its ends),
+/// greedy, exactly `max_tokens`.
+fn token_prompt_body(tag: &str, n: usize, n_vocab: usize, max_tokens: usize) -> Value {
+    let lo = (n_vocab / 50) as u64;
+    let span = ((n_vocab * 9 / 10) as u64).saturating_sub(lo).max(1);
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in tag.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    }
+    let ids: Vec<u64> = (0..n as u64)
+        .map(|i| {
+            // splitmix64 of (tag hash, position)
+            let mut z = h.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            lo + (z ^ (z >> 31)) % span
+        })
+        .collect();
+    json!({
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+}
+
 /// `/proc/loadavg`'s first three fields, or "unknown".
 fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
@@ -290,16 +370,20 @@ fn load_average() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-/// Sends one streaming chat completion over a fresh connection and reads it to `[DONE]`:
-/// the time to the first content delta and the completion tokens of the usage chunk.
-fn chat_stream(addr: SocketAddr, body: &Value) -> anyhow::Result<RequestSample> {
-    let body = body.to_string();
+/// Sends one streaming request over a fresh connection and reads it to `[DONE]`: the time
+/// to the first content (a chat delta's `content`, a completion's `text`) and the
+/// completion tokens of the usage chunk.
+fn stream_request(addr: SocketAddr, request: &Request) -> anyhow::Result<RequestSample> {
+    let (path, body) = match request {
+        Request::Chat(b) => ("/v1/chat/completions", b.to_string()),
+        Request::Tokens(b) => ("/v1/completions", b.to_string()),
+    };
     let start = Instant::now();
     let mut stream = TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
     stream.set_nodelay(true)?;
     write!(
         stream,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
          Accept: text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )?;
@@ -329,8 +413,10 @@ fn chat_stream(addr: SocketAddr, body: &Value) -> anyhow::Result<RequestSample> 
             if let Some(e) = v.get("error") {
                 bail!("the server reported an error: {e}");
             }
-            let has_content = v["choices"][0]["delta"]["content"]
+            let choice = &v["choices"][0];
+            let has_content = choice["delta"]["content"]
                 .as_str()
+                .or_else(|| choice["text"].as_str())
                 .is_some_and(|t| !t.is_empty());
             if has_content && ttft.is_none() {
                 ttft = Some(start.elapsed());

@@ -121,6 +121,7 @@ impl Session {
             // be admitted while the previous turn's blocks are still in the prefix cache.
             kv_tokens: Some(n_ctx + block),
             kv_type: args.kv_type.into(),
+            prefill_chunk: args.prefill_chunk(),
             ..runtime::ModelOptions::new(name.clone())
         };
         opts.disk_cache = match disk {

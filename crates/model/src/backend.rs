@@ -146,6 +146,14 @@ pub trait ForwardBackend: Send {
     fn simulated_ms(&self) -> Option<f64> {
         None
     }
+    /// Rows of one sequence's prompt this backend takes best in one forward: the engine's
+    /// default prefill chunk (and at least its step's row budget). 256 by default (a CPU's
+    /// cost grows with the rows anyway); a GPU's tensor-core tiles want more rows at once.
+    /// Chunking never changes a bit (G1), only the time to first token and how long a
+    /// prefill step holds up the sequences decoding beside it.
+    fn preferred_prefill_chunk(&self) -> usize {
+        256
+    }
     /// Whether this backend implements [`ForwardBackend::forward_summaries`] (one that
     /// keeps the logits where it computed them, a GPU). `false` by default: the engine
     /// then calls [`ForwardBackend::forward`] and reads every logit row.

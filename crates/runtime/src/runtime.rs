@@ -40,6 +40,10 @@ pub struct ModelOptions {
     /// The prefix cache's disk tier (`None` = RAM only); `cached_tokens` in each
     /// response's usage counts the blocks read back from it too.
     pub disk_cache: Option<engine::DiskCacheConfig>,
+    /// Most prompt rows of one sequence per forward (`None` = the backend's
+    /// [`ForwardBackend::preferred_prefill_chunk`]: 256 on the CPU, more on a GPU). The
+    /// step's row budget grows to it. Never changes the output (G1).
+    pub prefill_chunk: Option<usize>,
 }
 
 impl ModelOptions {
@@ -57,6 +61,7 @@ impl ModelOptions {
             kv_type: model::KvType::default(),
             spec: SpecConfig::default(),
             disk_cache: None,
+            prefill_chunk: None,
         }
     }
 
@@ -170,14 +175,25 @@ impl Runtime {
                 )
             }
         };
+        if opts.prefill_chunk == Some(0) {
+            return Err(LoadError::Options(
+                "--prefill-chunk must be at least 1".into(),
+            ));
+        }
+        let defaults = EngineConfig::default();
+        let prefill_chunk = opts
+            .prefill_chunk
+            .unwrap_or_else(|| backend.preferred_prefill_chunk());
         let cfg = EngineConfig {
+            prefill_chunk,
+            step_token_budget: defaults.step_token_budget.max(prefill_chunk),
             max_seqs: opts.max_seqs,
             kv_tokens: opts.kv_pool_tokens(n_ctx),
             queue_capacity: opts.queue_capacity,
             context_len: n_ctx,
             spec: opts.spec.clone(),
             disk_cache: opts.disk_cache.clone(),
-            ..EngineConfig::default()
+            ..defaults
         };
         let engine = Engine::start(backend, Arc::clone(&tokenizer), cfg)?;
         let token_env = TokenEnv::with_logit_width(Arc::clone(&tokenizer), engine.n_vocab())

@@ -224,6 +224,35 @@ fn the_same_seed_gives_the_same_sampled_output() -> TestResult {
 }
 
 #[test]
+fn the_prefill_chunk_changes_no_token() -> TestResult {
+    // G1: the prompt in chunks of 3 rows gives the tokens of the default chunking (one
+    // forward for this prompt), sampled at T = 0.8 with a fixed seed.
+    let prompt = "The capital of France is Paris. The capital of Italy is Rome. The capital of \
+                  Spain is";
+    let args = [
+        "run", "-p", prompt, "-n", "16", "-o", "json", "--temp", "0.8", "--seed", "7",
+    ];
+    let whole = run_json(&args)?;
+    let mut chunked = args.to_vec();
+    chunked.extend(["--prefill-chunk", "3"]);
+    let chunked = run_json(&chunked)?;
+    assert!(
+        whole["prompt_tokens"].as_u64().ok_or("prompt_tokens")? > 6,
+        "{whole}"
+    );
+    assert_eq!(ids(&whole["tokens"]), ids(&chunked["tokens"]));
+    // Zero rows per chunk is refused before anything loads.
+    let out = lockstep(&["run", "-p", CAPITAL, "--prefill-chunk", "0"])?;
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--prefill-chunk"),
+        "{}",
+        text(&out.stderr)
+    );
+    Ok(())
+}
+
+#[test]
 fn text_output_streams_the_same_text_as_json() -> TestResult {
     let out = lockstep(&["run", "-p", CAPITAL, "-n", "12"])?;
     assert!(out.status.success(), "{}", text(&out.stderr));
