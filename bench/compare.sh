@@ -67,8 +67,9 @@ Options:
                      instruction set of BOTH engines (default: auto = avx512 when this CPU
                      has AVX-512 F/BW/VL/VNNI, else avx2). avx2 builds the peer without
                      any AVX-512 (separate build directory) and runs lockstep with
-                     LOCKSTEP_CPU_ISA=avx2, so an AVX-512 machine can stand in for an
-                     AVX2-only one (label such numbers "AVX2 forced on an AVX-512 machine")
+                     LOCKSTEP_KERNELS=avx2 LOCKSTEP_CPU_ISA=avx2, so an AVX-512 machine
+                     can stand in for an AVX2-only one (label such numbers "AVX2 forced
+                     on an AVX-512 machine")
   --llama-only       run only the llama.cpp half (no lockstep build, no lockstep runs)
   --build-only       build llama-bench (and lockstep unless --llama-only), then exit
   --out FILE         also write the report here (default:
@@ -149,9 +150,11 @@ if [[ "$ISA" == avx512 ]]; then
         has_flag "$f" || die "--isa avx512: this CPU lacks $f (use --isa avx2)"
     done
 fi
-# lockstep's kernel set (crates/backend-cpu/src/isa.rs): forced down to AVX2 with --isa avx2.
+# lockstep's kernel sets, forced down to AVX2 with --isa avx2: the matmuls and activation
+# quantizer (LOCKSTEP_KERNELS, crates/quant) and the row ops and attention (LOCKSTEP_CPU_ISA,
+# crates/backend-cpu).
 LOCKSTEP_ISA_ENV=()
-[[ "$ISA" == avx2 ]] && LOCKSTEP_ISA_ENV=(env LOCKSTEP_CPU_ISA=avx2)
+[[ "$ISA" == avx2 ]] && LOCKSTEP_ISA_ENV=(env LOCKSTEP_KERNELS=avx2 LOCKSTEP_CPU_ISA=avx2)
 
 PYTHON="${LOCKSTEP_PYTHON:-python3}"
 command -v "$PYTHON" >/dev/null || die "$PYTHON not found (set LOCKSTEP_PYTHON)"
@@ -590,7 +593,7 @@ isa = meta.get("isa", "?")
 native512 = meta.get("cpu_has_avx512") == "1"
 lines.append(f"- instruction set of both engines: {isa}"
              + (" (**AVX2 forced on an AVX-512 machine**: peer built without AVX-512, "
-                "lockstep with LOCKSTEP_CPU_ISA=avx2)" if isa == "avx2" and native512 else "")
+                "lockstep with LOCKSTEP_KERNELS=avx2 LOCKSTEP_CPU_ISA=avx2)" if isa == "avx2" and native512 else "")
              + f"; CPU flags: {meta.get('cpu_simd_flags', '?')}")
 try:
     ncpu = int(meta["nproc"])
