@@ -18,15 +18,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Most activation rows per weight-tile pass (AVX-512: 32 registers).
 const MR: usize = 6;
-/// Activation rows per pass on AVX2 (16 registers) for the plain 4-bit formats and Q8_0;
-/// the formats whose codes take more work to decode (Q5_*, Q6_K: fifth bit, bits 4–5)
-/// share it over `MR` rows (measured: `examples/prefill.rs`, BENCHMARKS.md).
+/// Activation rows per pass on AVX2 (16 registers) for the plain 4-bit formats, Q5_0/Q5_1
+/// and Q8_0; the formats whose codes take more work to decode (Q5_K, Q6_K: fifth bit,
+/// bits 4–5) share it over `MR` rows (measured: `examples/prefill.rs`, BENCHMARKS.md; since
+/// the fifth bit takes one shift per chunk, Q5_0 is faster with 4 rows, no spills).
 const MR_AVX2: usize = 4;
 
 /// Activation rows per weight-tile pass on AVX2 for format `id`.
 fn mr_avx2(id: u8) -> usize {
     match id {
-        Q5_0 | Q5_1 | Q5K | Q6K => MR,
+        Q5K | Q6K => MR,
         _ => MR_AVX2,
     }
 }
