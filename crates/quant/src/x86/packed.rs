@@ -572,7 +572,7 @@ unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
             if FMT == Q8_0 {
                 let cb = codes.add(512 * b);
                 for c in 0..8 {
-                    stream_ahead(stream, base, lay, h, b, c, 8);
+                    stream_ahead(stream, base, h, b, c, 8);
                     let u = P::load(cb.add(64 * c));
                     for i in 0..R {
                         isum[i] = P::dot8(isum[i], u, rd32(a.qs[i].add(32 * b + 4 * c)));
@@ -587,7 +587,7 @@ unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
                 let (mut f5l, mut f5h) = fifth::<P>(FMT == Q5_0 || FMT == Q5_1, hi.add(64 * b));
                 let mut p = [P::splat_i(0); R];
                 for t in 0..4 {
-                    stream_ahead(stream, base, lay, h, b, t, 4);
+                    stream_ahead(stream, base, h, b, t, 4);
                     let v = P::load(cb.add(64 * t));
                     let mut lo = P::lo4(v);
                     let mut hv = P::hi4(v);
@@ -612,7 +612,7 @@ unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
                 let cb = codes.add(256 * b);
                 let (mut f5l, mut f5h) = fifth::<P>(FMT == Q5_0 || FMT == Q5_1, hi.add(64 * b));
                 for t in 0..4 {
-                    stream_ahead(stream, base, lay, h, b, t, 4);
+                    stream_ahead(stream, base, h, b, t, 4);
                     let v = P::load(cb.add(64 * t));
                     let mut lo = P::lo4(v);
                     let mut hv = P::hi4(v);
@@ -671,7 +671,7 @@ unsafe fn k45<P: Pk, const R: usize, const QH: bool>(
         for b in 0..lay.nb {
             let mut isum = [P::splat_i(0); R];
             for g in 0..8 {
-                stream_ahead(stream, base, lay, h, b, g, 8);
+                stream_ahead(stream, base, h, b, g, 8);
                 let sc = P::u8s(scp.add(128 * b + 16 * g));
                 let cb = codes.add(2048 * b + 256 * g);
                 let (mut f5l, mut f5h) = fifth::<P>(QH, hi.add(512 * b + 64 * g));
@@ -769,7 +769,7 @@ unsafe fn q6k<P: Pk, const R: usize>(
         for b in 0..lay.nb {
             let mut isum = [P::splat_i(0); R];
             for g in 0..8 {
-                stream_ahead(stream, base, lay, h, b, g, 8);
+                stream_ahead(stream, base, h, b, g, 8);
                 let cb = codes.add(2048 * b + 256 * g);
                 let v = [
                     P::load(cb),
@@ -892,16 +892,7 @@ impl Stream {
 /// this runs on into the thread's next tiles; nothing past its last tile is fetched. Spread
 /// over a block's inner loop, because a burst of prefetches stalls the core.
 #[inline(always)]
-fn stream_ahead(
-    stream: Stream,
-    base: *const u8,
-    lay: &Layout,
-    h: usize,
-    b: usize,
-    part: usize,
-    parts: usize,
-) {
-    let _ = lay;
+fn stream_ahead(stream: Stream, base: *const u8, h: usize, b: usize, part: usize, parts: usize) {
     if stream.ahead == 0 || h != 0 {
         return;
     }
