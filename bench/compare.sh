@@ -38,6 +38,7 @@ ROUNDS=2
 N_PROMPT=512
 N_GEN=128
 OPENMP=ON
+ISA=auto
 BUILD_ONLY=0
 LLAMA_ONLY=0
 OUT_MD=""
@@ -62,6 +63,13 @@ Options:
   --quick            smoke test: -p 64 -n 16 --reps 1 --rounds 1
   --openmp on|off    build/use llama.cpp with GGML_OPENMP on (default, llama.cpp's own
                      default) or off (separate build directory)
+  --isa auto|avx2|avx512
+                     instruction set of BOTH engines (default: auto = avx512 when this CPU
+                     has AVX-512 F/BW/VL/VNNI, else avx2). avx2 builds the peer without
+                     any AVX-512 (separate build directory) and runs lockstep with
+                     LOCKSTEP_KERNELS=avx2 LOCKSTEP_CPU_ISA=avx2, so an AVX-512 machine
+                     can stand in for an AVX2-only one (label such numbers "AVX2 forced
+                     on an AVX-512 machine")
   --llama-only       run only the llama.cpp half (no lockstep build, no lockstep runs)
   --build-only       build llama-bench (and lockstep unless --llama-only), then exit
   --out FILE         also write the report here (default:
@@ -108,6 +116,10 @@ while [[ $# -gt 0 ]]; do
             [[ $# -ge 2 ]] || die "--openmp needs on or off"
             case "${2,,}" in on) OPENMP=ON ;; off) OPENMP=OFF ;; *) die "--openmp needs on or off" ;; esac
             shift 2 ;;
+        --isa)
+            [[ $# -ge 2 ]] || die "--isa needs auto, avx2 or avx512"
+            case "${2,,}" in auto|avx2|avx512) ISA="${2,,}" ;; *) die "--isa needs auto, avx2 or avx512" ;; esac
+            shift 2 ;;
         --llama-only) LLAMA_ONLY=1; shift ;;
         --build-only) BUILD_ONLY=1; shift ;;
         --out) [[ $# -ge 2 ]] || die "--out needs a value"; OUT_MD="$2"; shift 2 ;;
@@ -118,6 +130,31 @@ done
 [[ "$REPS" -ge 1 ]] || die "--reps must be at least 1"
 [[ "$ROUNDS" -ge 1 ]] || die "--rounds must be at least 1"
 [[ "$N_PROMPT" -gt 0 || "$N_GEN" -gt 0 ]] || die "nothing to measure: -p and -n are both 0"
+
+# The instruction set of both engines: AVX-512 (with VNNI, as lockstep's fast path needs) when
+# the CPU has it, else AVX2. A peer built with AVX-512 flags dies with SIGILL without it.
+CPU_FLAGS=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | sed 's/^[^:]*://') "
+has_flag() { [[ "$CPU_FLAGS" == *" $1 "* ]]; }
+if [[ "$ISA" == auto ]]; then
+    if has_flag avx512f && has_flag avx512bw && has_flag avx512vl && has_flag avx512_vnni; then
+        ISA=avx512
+    else
+        ISA=avx2
+    fi
+fi
+for f in avx avx2 fma f16c; do
+    has_flag "$f" || die "this CPU lacks $f: neither peer build can run here"
+done
+if [[ "$ISA" == avx512 ]]; then
+    for f in avx512f avx512bw avx512vl avx512_vnni avx512_vbmi avx512_bf16; do
+        has_flag "$f" || die "--isa avx512: this CPU lacks $f (use --isa avx2)"
+    done
+fi
+# lockstep's kernel sets, forced down to AVX2 with --isa avx2: the matmuls and activation
+# quantizer (LOCKSTEP_KERNELS, crates/quant) and the row ops and attention (LOCKSTEP_CPU_ISA,
+# crates/backend-cpu).
+LOCKSTEP_ISA_ENV=()
+[[ "$ISA" == avx2 ]] && LOCKSTEP_ISA_ENV=(env LOCKSTEP_KERNELS=avx2 LOCKSTEP_CPU_ISA=avx2)
 
 PYTHON="${LOCKSTEP_PYTHON:-python3}"
 command -v "$PYTHON" >/dev/null || die "$PYTHON not found (set LOCKSTEP_PYTHON)"
@@ -136,22 +173,30 @@ fi
 PEERS="$CACHE_ROOT/peers"
 PEER_DIR="$PEERS/llama.cpp-$LLAMA_CPP_PYTHON_VERSION"
 if [[ "$OPENMP" == ON ]]; then BUILD_DIR="$PEER_DIR/build"; else BUILD_DIR="$PEER_DIR/build-noomp"; fi
+# The AVX2 peer has its own build directory (the AVX-512 one keeps its historical name).
+[[ "$ISA" == avx2 ]] && BUILD_DIR="$BUILD_DIR-avx2"
 
 # --------------------------------------------------------------------------------------------
 # Peer build: llama-bench from the llama-cpp-python sdist
 # --------------------------------------------------------------------------------------------
 
-# The cmake flags of the peer build. Portable AVX-512 build (not -march=native, so the binary
-# says exactly which ISA it uses), AMX off (AMX faults on these machines), no curl/openssl
-# (models are local files), static libraries so the binary stands alone.
+# The cmake flags of the peer build. Portable build for the chosen ISA (not -march=native,
+# so the binary says exactly which ISA it uses): AVX-512 (F, VNNI, VBMI, BF16) or AVX2 (+FMA,
+# F16C, BMI2, as on an AVX2-only EPYC; no AVX-512, no AVX-VNNI), AMX off (AMX faults on these
+# machines), no curl/openssl (models are local files), static libraries so the binary stands
+# alone.
 cmake_flags() {
+    local avx512=ON
+    [[ "$ISA" == avx2 ]] && avx512=OFF
     printf '%s\n' \
         -DCMAKE_BUILD_TYPE=Release \
         -DBUILD_SHARED_LIBS=OFF \
         -DGGML_NATIVE=OFF \
         -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-        -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON \
+        "-DGGML_AVX512=$avx512" "-DGGML_AVX512_VNNI=$avx512" "-DGGML_AVX512_VBMI=$avx512" \
+        "-DGGML_AVX512_BF16=$avx512" \
         -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+        -DGGML_AVX_VNNI=OFF -DGGML_BMI2=ON \
         "-DGGML_OPENMP=$OPENMP" \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
@@ -388,7 +433,9 @@ META_NPROC="$(nproc 2>/dev/null || echo '?')" \
 META_GIT="$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$REPO" diff --quiet 2>/dev/null || echo '+dirty')" \
 META_MODELS="$(printf '%s\n' "${MODEL_LIST[@]}")" \
 META_STAMP="$STAMP" META_THREADS="$THREADS" META_REPS="$REPS" META_ROUNDS="$ROUNDS" \
-META_N_PROMPT="$N_PROMPT" META_N_GEN="$N_GEN" META_OPENMP="$OPENMP" \
+META_N_PROMPT="$N_PROMPT" META_N_GEN="$N_GEN" META_OPENMP="$OPENMP" META_ISA="$ISA" \
+META_HAS512="$(has_flag avx512f && echo 1 || echo 0)" \
+META_SIMD_FLAGS="$(tr ' ' '\n' <<<"$CPU_FLAGS" | grep -E '^(avx|fma|f16c|bmi2|amx)' | tr '\n' ' ' | sed 's/ $//')" \
 META_LLAMA_BENCH="$LLAMA_BENCH" META_LOCKSTEP="${LOCKSTEP:-}" \
 META_VERSION="$LLAMA_CPP_PYTHON_VERSION" \
 META_OMP_ENV="$(env | grep -E '^(OMP_|GOMP_)' | sort | tr '\n' ' ' || true)" \
@@ -401,6 +448,9 @@ json.dump({
     "rounds": int(e["META_ROUNDS"]),
     "n_prompt": int(e["META_N_PROMPT"]), "n_gen": int(e["META_N_GEN"]),
     "openmp": e["META_OPENMP"],
+    "isa": e["META_ISA"],
+    "cpu_has_avx512": e["META_HAS512"],
+    "cpu_simd_flags": e["META_SIMD_FLAGS"],
     "llama_bench": e["META_LLAMA_BENCH"],
     "lockstep": e["META_LOCKSTEP"],
     "llama_cpp_python": e["META_VERSION"],
@@ -435,7 +485,7 @@ run_engine() {
             "${timer[@]}" "$LLAMA_BENCH" -m "$file" -t "$THREADS" -p "$N_PROMPT" -n "$N_GEN" -r "$REPS" -o json \
                 >"$stem.json" 2>"$stem.log" || rc=$? ;;
         lockstep)
-            "${timer[@]}" "$LOCKSTEP" bench -m "$file" --threads "$THREADS" -p "$N_PROMPT" -n "$N_GEN" -r "$REPS" \
+            "${timer[@]}" "${LOCKSTEP_ISA_ENV[@]}" "$LOCKSTEP" bench -m "$file" --threads "$THREADS" -p "$N_PROMPT" -n "$N_GEN" -r "$REPS" \
                 --output json >"$stem.json" 2>"$stem.log" || rc=$? ;;
     esac
     printf '%s\n%s\n' "$before" "$(loadavg)" >"$stem.load"
@@ -539,6 +589,12 @@ lines.append("")
 lines.append(f"- machine: {meta['cpu_model']}, {meta['nproc']} logical CPUs; "
              f"load average (1 min) during the runs: "
              + (f"min {min(loads):.2f}, max {max(loads):.2f}" if loads else "?"))
+isa = meta.get("isa", "?")
+native512 = meta.get("cpu_has_avx512") == "1"
+lines.append(f"- instruction set of both engines: {isa}"
+             + (" (**AVX2 forced on an AVX-512 machine**: peer built without AVX-512, "
+                "lockstep with LOCKSTEP_KERNELS=avx2 LOCKSTEP_CPU_ISA=avx2)" if isa == "avx2" and native512 else "")
+             + f"; CPU flags: {meta.get('cpu_simd_flags', '?')}")
 try:
     ncpu = int(meta["nproc"])
 except ValueError:

@@ -18,8 +18,11 @@
 //!   `kk < 16`, high nibble for `kk ≥ 16`. One 64-byte vector thus holds chunks `t` and
 //!   `t + 4` (a chunk is 4 consecutive k of all 16 rows).
 //! - 8-bit codes (Q8_0, 512 bytes): byte `64·(kk / 4) + 4r + j`.
-//! - fifth bit (Q5_0, Q5_1, Q5_K; 64 bytes): bit `4r + j` of the little-endian u64 at
-//!   `8·(kk / 4)`.
+//! - fifth bit (Q5_0, Q5_1, Q5_K; 64 bytes): byte `4r + j`, bit `4 + kk / 4` for `kk < 16`
+//!   and bit `(kk − 16) / 4` for `kk ≥ 16` (`fifth_bit`). The byte of a code position thus
+//!   holds the fifth bits of all 8 chunks through it, lined up with the code bytes: a kernel
+//!   loads them once per group and moves chunk `t`'s bit to bit 4 with one shift by 1 per
+//!   chunk (bits 4–7 for the low nibbles, bits 0–3 shifted up by 4 for the high ones).
 //! - bits 4–5 (Q6_K; 128 bytes): bits `2·((kk % 16) / 4)` of byte `64·(kk / 16) + 4r + j`.
 //!
 //! Per block: sub-block scales (Q4_K/Q5_K: `16j + r`, u8; Q6_K: `16j + r`, i8), Q4_K/Q5_K
@@ -349,9 +352,8 @@ impl PackedMatrix {
                 };
                 match format {
                     Format::Q5_0 | Format::Q5_1 | Format::Q5_K => {
-                        let bit = 4 * r + j;
-                        let byte = hi[64 * g + 8 * (kk / 4) + bit / 8];
-                        u |= i32::from((byte >> (bit % 8)) & 1) << 4;
+                        let byte = hi[64 * g + 4 * r + j];
+                        u |= i32::from((byte >> fifth_bit(kk)) & 1) << 4;
                     }
                     Format::Q6_K => {
                         let byte = hi[128 * g + 64 * (kk / 16) + 4 * r + j];
@@ -384,6 +386,13 @@ impl PackedMatrix {
     }
 }
 
+/// The bit of a fifth-bit byte (Q5_0, Q5_1, Q5_K) that holds the fifth bit of code `kk` of
+/// a 32-code group: 4–7 for the low-nibble chunks `kk / 4` (`kk < 16`), 0–3 for the
+/// high-nibble chunks `(kk − 16) / 4`.
+fn fifth_bit(kk: usize) -> usize {
+    if kk < 16 { 4 + kk / 4 } else { (kk - 16) / 4 }
+}
+
 /// Write block `b` (`blk`, original bytes) of tile row `r` into `tile`.
 fn pack_block(format: Format, layout: &Layout, tile: &mut [u8], r: usize, b: usize, blk: &[u8]) {
     let ib = decode(format, blk);
@@ -404,8 +413,7 @@ fn pack_block(format: Format, layout: &Layout, tile: &mut [u8], r: usize, b: usi
             }
             match format {
                 Format::Q5_0 | Format::Q5_1 | Format::Q5_K => {
-                    let bit = 4 * r + j;
-                    tile[hbase + 64 * g + 8 * (kk / 4) + bit / 8] |= ((u >> 4) & 1) << (bit % 8);
+                    tile[hbase + 64 * g + 4 * r + j] |= ((u >> 4) & 1) << fifth_bit(kk);
                 }
                 Format::Q6_K => {
                     let at = hbase + 128 * g + 64 * (kk / 16) + 4 * r + j;

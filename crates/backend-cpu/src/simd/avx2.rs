@@ -377,8 +377,33 @@ pub(crate) fn f16_to_f32(src: &[u16], dst: &mut [f32]) {
 /// Attention scores against `out.len()` f16 keys of `d` values each.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn scores_f16(q: &[f32], keys: &[u16], d: usize, scale: f32, out: &mut [f32]) {
-    for (j, o) in out.iter_mut().enumerate() {
-        *o = dot_f16(q, &keys[j * d..(j + 1) * d]) * scale;
+    // Four keys at a time when `d` fills whole 16-lane steps: each key keeps its own two
+    // lane registers and canonical order (`dot_f16`), but the four fma chains interleave
+    // (one key's chain is latency-bound) and share the loads of `q`.
+    let mut j = 0;
+    if d.is_multiple_of(16) && q.len() == d {
+        while j + 4 <= out.len() {
+            let k = &keys[j * d..(j + 4) * d];
+            let mut lo = [_mm256_setzero_ps(); 4];
+            let mut hi = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            while i < d {
+                let (qa, qb) = (load(&q[i..]), load(&q[i + 8..]));
+                for t in 0..4 {
+                    let kt = &k[t * d + i..];
+                    lo[t] = _mm256_fmadd_ps(qa, load_f16(kt), lo[t]);
+                    hi[t] = _mm256_fmadd_ps(qb, load_f16(&kt[8..]), hi[t]);
+                }
+                i += 16;
+            }
+            for t in 0..4 {
+                out[j + t] = tree16(lo[t], hi[t]) * scale;
+            }
+            j += 4;
+        }
+    }
+    for (jj, o) in out.iter_mut().enumerate().skip(j) {
+        *o = dot_f16(q, &keys[jj * d..(jj + 1) * d]) * scale;
     }
 }
 

@@ -10,7 +10,6 @@
 // one row index; iterator chains over them would obscure the canonical order.
 #![allow(clippy::needless_range_loop)]
 
-use super::isa::{Avx2, Isa};
 use crate::packed::{Layout, TILE};
 use crate::{Format, PackedMatrix, QuantizedActs};
 use std::arch::x86_64::*;
@@ -19,15 +18,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Most activation rows per weight-tile pass (AVX-512: 32 registers).
 const MR: usize = 6;
-/// Activation rows per pass on AVX2 (16 registers) for the plain 4-bit formats and Q8_0;
-/// the formats whose codes take more work to decode (Q5_*, Q6_K: fifth bit, bits 4–5)
-/// share it over `MR` rows (measured: `examples/prefill.rs`, BENCHMARKS.md).
+/// Activation rows per pass on AVX2 (16 registers) for the plain 4-bit formats, Q5_0/Q5_1
+/// and Q8_0; the formats whose codes take more work to decode (Q5_K, Q6_K: fifth bit,
+/// bits 4–5) share it over `MR` rows (measured: `examples/prefill.rs`, BENCHMARKS.md; since
+/// the fifth bit takes one shift per chunk, Q5_0 is faster with 4 rows, no spills).
 const MR_AVX2: usize = 4;
 
 /// Activation rows per weight-tile pass on AVX2 for format `id`.
 fn mr_avx2(id: u8) -> usize {
     match id {
-        Q5_0 | Q5_1 | Q5K | Q6K => MR,
+        Q5K | Q6K => MR,
         _ => MR_AVX2,
     }
 }
@@ -62,8 +62,13 @@ trait Pk {
     unsafe fn lo4(v: Self::V) -> Self::V;
     /// High nibble of every byte.
     unsafe fn hi4(v: Self::V) -> Self::V;
-    /// `u | 0x10` in byte i where bit i of the `4·L`-bit little-endian mask at `p` is set.
-    unsafe fn bit4(u: Self::V, p: *const u8) -> Self::V;
+    /// `u | (h & 0x10)` per byte: the fifth bit lined up at bit 4 by `fifth_lo`/`fifth_next`.
+    unsafe fn or5(u: Self::V, h: Self::V) -> Self::V;
+    /// `h << 4` per i16 lane: the high-nibble chunks' fifth bits (0–3) to bits 4–7.
+    unsafe fn shl4_16(h: Self::V) -> Self::V;
+    /// `h >> 1` per i16 lane: the next chunk's fifth bit to bit 4 (a bit crossing from the
+    /// upper byte lands at bit 7 and reaches bit 4 of no later chunk: at most 3 shifts).
+    unsafe fn shr1_16(h: Self::V) -> Self::V;
     /// `u | (((h >> 2t) & 3) << 4)` per byte.
     unsafe fn hi2<const T: u32>(u: Self::V, h: Self::V) -> Self::V;
     /// `acc + Σ4 u·a` per lane; u ≤ 63 unsigned, `a` four signed bytes.
@@ -154,12 +159,19 @@ impl Pk for P512 {
         unsafe { _mm512_and_si512(_mm512_srli_epi16::<4>(v), _mm512_set1_epi8(0x0F)) }
     }
     #[inline(always)]
-    unsafe fn bit4(u: __m512i, p: *const u8) -> __m512i {
-        // SAFETY: the caller guarantees 8 readable bytes at p.
-        unsafe {
-            let k = (p as *const u64).read_unaligned();
-            _mm512_mask_add_epi8(u, k, u, _mm512_set1_epi8(0x10))
-        }
+    unsafe fn or5(u: __m512i, h: __m512i) -> __m512i {
+        // SAFETY: register operations (u | (h & 0x10)).
+        unsafe { _mm512_ternarylogic_epi32::<0xF8>(u, h, _mm512_set1_epi8(0x10)) }
+    }
+    #[inline(always)]
+    unsafe fn shl4_16(h: __m512i) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_slli_epi16::<4>(h) }
+    }
+    #[inline(always)]
+    unsafe fn shr1_16(h: __m512i) -> __m512i {
+        // SAFETY: register operations.
+        unsafe { _mm512_srli_epi16::<1>(h) }
     }
     #[inline(always)]
     unsafe fn hi2<const T: u32>(u: __m512i, h: __m512i) -> __m512i {
@@ -328,12 +340,19 @@ impl Pk for P256 {
         unsafe { _mm256_and_si256(_mm256_srli_epi16::<4>(v), _mm256_set1_epi8(0x0F)) }
     }
     #[inline(always)]
-    unsafe fn bit4(u: __m256i, p: *const u8) -> __m256i {
-        // SAFETY: the caller guarantees 4 readable bytes at p.
-        unsafe {
-            let bits = (p as *const u32).read_unaligned();
-            _mm256_or_si256(u, Avx2::bits_to_bytes(bits, _mm256_set1_epi8(0x10)))
-        }
+    unsafe fn or5(u: __m256i, h: __m256i) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_or_si256(u, _mm256_and_si256(h, _mm256_set1_epi8(0x10))) }
+    }
+    #[inline(always)]
+    unsafe fn shl4_16(h: __m256i) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_slli_epi16::<4>(h) }
+    }
+    #[inline(always)]
+    unsafe fn shr1_16(h: __m256i) -> __m256i {
+        // SAFETY: register operations.
+        unsafe { _mm256_srli_epi16::<1>(h) }
     }
     #[inline(always)]
     unsafe fn hi2<const T: u32>(u: __m256i, h: __m256i) -> __m256i {
@@ -501,6 +520,23 @@ unsafe fn rd32(p: *const u8) -> i32 {
     unsafe { (p as *const i32).read_unaligned() }
 }
 
+/// The fifth bits of one 32-code group of the rows of a half (`4·L` bytes at `p`, see the
+/// tile layout in `crate::packed`), lined up for chunk 0: the low-nibble chunks' bits
+/// (4–7) as loaded, the high-nibble chunks' (0–3) shifted up by 4. Zero vectors when the
+/// format has no fifth bit (`p` is then not read).
+#[inline(always)]
+unsafe fn fifth<P: Pk>(has: bool, p: *const u8) -> (P::V, P::V) {
+    // SAFETY: the caller guarantees `4·L` readable bytes at `p` when `has`.
+    unsafe {
+        if has {
+            let h = P::load(p);
+            (h, P::shl4_16(h))
+        } else {
+            (P::splat_i(0), P::splat_i(0))
+        }
+    }
+}
+
 /// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 over the rows of half `h` of a tile.
 #[inline(always)]
 unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
@@ -522,7 +558,7 @@ unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
     // `lay.nb` blocks) or inside the R activation rows (k codes, k/32 sums, k/32 scales).
     unsafe {
         let codes = base.add(lay.codes + h * l * 4);
-        let hi = base.add(lay.hi + h * l / 2);
+        let hi = base.add(lay.hi + h * l * 4);
         let dp = base.add(lay.d + h * l * 2);
         let mp = base.add(lay.m + h * l * 2);
         let mut acc = [P::fzero(); R];
@@ -536,7 +572,7 @@ unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
             if FMT == Q8_0 {
                 let cb = codes.add(512 * b);
                 for c in 0..8 {
-                    stream_ahead(stream, base, lay, h, b, c, 8);
+                    stream_ahead(stream, base, h, b, c, 8);
                     let u = P::load(cb.add(64 * c));
                     for i in 0..R {
                         isum[i] = P::dot8(isum[i], u, rd32(a.qs[i].add(32 * b + 4 * c)));
@@ -548,15 +584,18 @@ unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
                 let per = (i16_sums(bits) / 2).min(4);
                 let ones = P::splat_i(0x0001_0001);
                 let cb = codes.add(256 * b);
+                let (mut f5l, mut f5h) = fifth::<P>(FMT == Q5_0 || FMT == Q5_1, hi.add(64 * b));
                 let mut p = [P::splat_i(0); R];
                 for t in 0..4 {
-                    stream_ahead(stream, base, lay, h, b, t, 4);
+                    stream_ahead(stream, base, h, b, t, 4);
                     let v = P::load(cb.add(64 * t));
                     let mut lo = P::lo4(v);
                     let mut hv = P::hi4(v);
                     if FMT == Q5_0 || FMT == Q5_1 {
-                        lo = P::bit4(lo, hi.add(64 * b + 8 * t));
-                        hv = P::bit4(hv, hi.add(64 * b + 8 * (t + 4)));
+                        lo = P::or5(lo, f5l);
+                        hv = P::or5(hv, f5h);
+                        f5l = P::shr1_16(f5l);
+                        f5h = P::shr1_16(f5h);
                     }
                     for i in 0..R {
                         let qa = a.qs[i].add(32 * b + 4 * t);
@@ -571,14 +610,17 @@ unsafe fn legacy<P: Pk, const R: usize, const FMT: u8>(
                 }
             } else {
                 let cb = codes.add(256 * b);
+                let (mut f5l, mut f5h) = fifth::<P>(FMT == Q5_0 || FMT == Q5_1, hi.add(64 * b));
                 for t in 0..4 {
-                    stream_ahead(stream, base, lay, h, b, t, 4);
+                    stream_ahead(stream, base, h, b, t, 4);
                     let v = P::load(cb.add(64 * t));
                     let mut lo = P::lo4(v);
                     let mut hv = P::hi4(v);
                     if FMT == Q5_0 || FMT == Q5_1 {
-                        lo = P::bit4(lo, hi.add(64 * b + 8 * t));
-                        hv = P::bit4(hv, hi.add(64 * b + 8 * (t + 4)));
+                        lo = P::or5(lo, f5l);
+                        hv = P::or5(hv, f5h);
+                        f5l = P::shr1_16(f5l);
+                        f5h = P::shr1_16(f5h);
                     }
                     for i in 0..R {
                         let qa = a.qs[i].add(32 * b + 4 * t);
@@ -620,7 +662,7 @@ unsafe fn k45<P: Pk, const R: usize, const QH: bool>(
     // SAFETY: as in `legacy`: reads stay inside the tile's regions and the activation rows.
     unsafe {
         let codes = base.add(lay.codes + h * l * 4);
-        let hi = base.add(lay.hi + h * l / 2);
+        let hi = base.add(lay.hi + h * l * 4);
         let scp = base.add(lay.sc + h * l);
         let mnp = base.add(lay.mn + h * l * 2);
         let dp = base.add(lay.d + h * l * 2);
@@ -629,9 +671,10 @@ unsafe fn k45<P: Pk, const R: usize, const QH: bool>(
         for b in 0..lay.nb {
             let mut isum = [P::splat_i(0); R];
             for g in 0..8 {
-                stream_ahead(stream, base, lay, h, b, g, 8);
+                stream_ahead(stream, base, h, b, g, 8);
                 let sc = P::u8s(scp.add(128 * b + 16 * g));
                 let cb = codes.add(2048 * b + 256 * g);
+                let (mut f5l, mut f5h) = fifth::<P>(QH, hi.add(512 * b + 64 * g));
                 if P::I16 {
                     // Two products per step; `per` steps summed in i16, then widened
                     // against the sub-block scale.
@@ -643,8 +686,10 @@ unsafe fn k45<P: Pk, const R: usize, const QH: bool>(
                         let mut lo = P::lo4(v);
                         let mut hv = P::hi4(v);
                         if QH {
-                            lo = P::bit4(lo, hi.add(512 * b + 64 * g + 8 * t));
-                            hv = P::bit4(hv, hi.add(512 * b + 64 * g + 8 * (t + 4)));
+                            lo = P::or5(lo, f5l);
+                            hv = P::or5(hv, f5h);
+                            f5l = P::shr1_16(f5l);
+                            f5h = P::shr1_16(f5h);
                         }
                         for i in 0..R {
                             let qa = a.qs[i].add(256 * b + 32 * g + 4 * t);
@@ -666,8 +711,10 @@ unsafe fn k45<P: Pk, const R: usize, const QH: bool>(
                     let mut lo = P::lo4(v);
                     let mut hv = P::hi4(v);
                     if QH {
-                        lo = P::bit4(lo, hi.add(512 * b + 64 * g + 8 * t));
-                        hv = P::bit4(hv, hi.add(512 * b + 64 * g + 8 * (t + 4)));
+                        lo = P::or5(lo, f5l);
+                        hv = P::or5(hv, f5h);
+                        f5l = P::shr1_16(f5l);
+                        f5h = P::shr1_16(f5h);
                     }
                     for i in 0..R {
                         let qa = a.qs[i].add(256 * b + 32 * g + 4 * t);
@@ -722,7 +769,7 @@ unsafe fn q6k<P: Pk, const R: usize>(
         for b in 0..lay.nb {
             let mut isum = [P::splat_i(0); R];
             for g in 0..8 {
-                stream_ahead(stream, base, lay, h, b, g, 8);
+                stream_ahead(stream, base, h, b, g, 8);
                 let cb = codes.add(2048 * b + 256 * g);
                 let v = [
                     P::load(cb),
@@ -808,11 +855,36 @@ unsafe fn q6k<P: Pk, const R: usize>(
 /// going while the core computes.
 pub(crate) static STREAM_AHEAD: AtomicUsize = AtomicUsize::new(16 << 10);
 
-/// The weight stream of one thread's tiles: where they end, and how far ahead to fetch.
+/// The weight stream of one thread's tiles: where they end, how far ahead to fetch, and the
+/// tile's bytes per block with their 64-byte-rounded slices (computed once per call: a
+/// division per block part cost the prefill kernels up to 15 % of their time).
 #[derive(Clone, Copy)]
 struct Stream {
     end: *const u8,
     ahead: usize,
+    /// Tile bytes per block.
+    bpb: usize,
+    /// `bpb` split in 4 and in 8 parts, each rounded up to whole cache lines.
+    slice4: usize,
+    slice8: usize,
+}
+
+impl Stream {
+    fn new(end: *const u8, ahead: usize, lay: &Layout) -> Stream {
+        let bpb = lay.tile / lay.nb.max(1);
+        Stream {
+            end,
+            ahead,
+            bpb,
+            slice4: bpb.div_ceil(4).div_ceil(64) * 64,
+            slice8: bpb.div_ceil(8).div_ceil(64) * 64,
+        }
+    }
+
+    /// The same stream with prefetching off.
+    fn off(self) -> Stream {
+        Stream { ahead: 0, ..self }
+    }
 }
 
 /// Prefetches (into L2) part `part` of `parts` of one block's share of a tile,
@@ -820,21 +892,17 @@ struct Stream {
 /// this runs on into the thread's next tiles; nothing past its last tile is fetched. Spread
 /// over a block's inner loop, because a burst of prefetches stalls the core.
 #[inline(always)]
-fn stream_ahead(
-    stream: Stream,
-    base: *const u8,
-    lay: &Layout,
-    h: usize,
-    b: usize,
-    part: usize,
-    parts: usize,
-) {
+fn stream_ahead(stream: Stream, base: *const u8, h: usize, b: usize, part: usize, parts: usize) {
     if stream.ahead == 0 || h != 0 {
         return;
     }
-    let bpb = lay.tile / lay.nb.max(1);
-    let slice = bpb.div_ceil(parts).div_ceil(64) * 64;
-    let at = base.wrapping_add(b * bpb + part * slice + stream.ahead);
+    let slice = if parts == 4 {
+        stream.slice4
+    } else {
+        debug_assert_eq!(parts, 8);
+        stream.slice8
+    };
+    let at = base.wrapping_add(b * stream.bpb + part * slice + stream.ahead);
     let mut o = 0;
     while o < slice && (at.wrapping_add(o) as usize) < stream.end as usize {
         // SAFETY: a prefetch is only a hint; it never faults, whatever the address.
@@ -854,10 +922,11 @@ unsafe fn run<P: Pk, const R: usize, const FMT: u8>(
     let k = acts.k;
     let nb = k / acts.layout.block_len();
     let lay = c.layout;
-    let stream = Stream {
-        end: c.tiles.wrapping_add(tiles.end * lay.tile),
-        ahead: STREAM_AHEAD.load(Ordering::Relaxed),
-    };
+    let stream = Stream::new(
+        c.tiles.wrapping_add(tiles.end * lay.tile),
+        STREAM_AHEAD.load(Ordering::Relaxed),
+        &lay,
+    );
     for t in tiles.clone() {
         // SAFETY: t < number of tiles (the caller derives `tiles` from a validated range).
         let base = unsafe { c.tiles.add(t * lay.tile) };
@@ -881,6 +950,9 @@ unsafe fn run<P: Pk, const R: usize, const FMT: u8>(
                     .get(mi * k / 16..)
                     .map_or(std::ptr::null(), |s| s.as_ptr());
             }
+            // Only the first pass over a tile streams the weights ahead: the later passes
+            // read the tile from cache, and prefetching its successors again is wasted work.
+            let stream = if m == ms.start { stream } else { stream.off() };
             let mut res = [[0.0f32; TILE]; R];
             for h in 0..TILE / P::L {
                 if lanes.end <= h * P::L || lanes.start >= (h + 1) * P::L {
