@@ -35,6 +35,13 @@ const MIN_LOCATED: usize = 2;
 const KEEP: usize = 3;
 /// Most bytes searched ahead of the reference point for a partly written value.
 const RESYNC: usize = 512;
+/// Longest syntax gap between two values kept (pretty-printed closings of nested records
+/// included).
+const MAX_GAP: usize = 96;
+/// Most values and gaps chained into one proposal.
+const MAX_PARTS: usize = 16;
+/// Most text bytes drafted per proposal (the caps cut it to tokens).
+const MAX_TEXT: usize = 256;
 
 fn is_value_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || (b >= 0x80 && b != SPECIAL)
@@ -73,38 +80,71 @@ struct State {
     located: Vec<Located>,
     /// (previous key, key) → (left context, occurrences from the previous value's end).
     relations: HashMap<KeyPair, (Vec<u8>, usize)>,
+    /// Writing `true`, `false` or `null`.
+    in_literal: bool,
+    /// Between two values: the key path of the value before and the output bytes since
+    /// it ended (its closing quote, separators, the next key, the next value's opening
+    /// quote).
+    gap: Option<Gap>,
+    /// Key path → the gap that followed its value the last time (the record's syntax up
+    /// to the next value, as the model wrote it).
+    gaps: HashMap<Vec<u8>, Vec<u8>>,
+}
+
+/// The output between the end of one value and the start of the next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Gap {
+    /// Key path of the value before.
+    after: Vec<u8>,
+    /// Bytes since it ended.
+    bytes: Vec<u8>,
 }
 
 /// (previous key, key) of a relation.
 type KeyPair = (Vec<u8>, Vec<u8>);
 
 impl State {
+    /// The key path of the value being written: the keys of the enclosing objects,
+    /// joined by `/` (a nested record's `name` is not the outer record's).
     fn key(&self) -> Vec<u8> {
-        self.stack.last().map(|f| f.key.clone()).unwrap_or_default()
+        let mut path = Vec::new();
+        for f in self.stack.iter().filter(|f| f.object) {
+            if !path.is_empty() {
+                path.push(b'/');
+            }
+            path.extend_from_slice(&f.key);
+        }
+        path
+    }
+
+    /// A value ended: the gap after it starts.
+    fn end_value(&mut self) {
+        self.gap = Some(Gap {
+            after: self.key(),
+            bytes: Vec::new(),
+        });
+    }
+
+    /// A value starts: the gap before it (if any) is learned for the value before.
+    fn start_value(&mut self) {
+        if let Some(g) = self.gap.take()
+            && g.bytes.len() <= MAX_GAP
+        {
+            self.gaps.insert(g.after, g.bytes);
+        }
     }
 
     fn feed(&mut self, src: &[u8], b: u8) {
-        if self.in_string {
-            if self.escape {
-                self.escape = false;
-                self.buf.push(b);
-            } else if b == b'\\' {
-                self.escape = true;
-                self.buf.push(b);
-            } else if b == b'"' {
-                self.in_string = false;
-                if self.string_is_key {
-                    if let Some(f) = self.stack.last_mut() {
-                        f.key = std::mem::take(&mut self.buf);
-                    }
-                } else {
-                    let v = std::mem::take(&mut self.buf);
-                    self.complete(src, &v);
-                }
-            } else {
-                self.buf.push(b);
-            }
+        if self.in_string && !self.string_is_key {
+            self.feed_value_string(src, b);
             return;
+        }
+        if self.in_literal {
+            if b.is_ascii_lowercase() {
+                return;
+            }
+            self.in_literal = false;
+            self.end_value();
         }
         if self.in_number {
             if b.is_ascii_digit() || matches!(b, b'.' | b'-' | b'+' | b'e' | b'E') {
@@ -114,6 +154,39 @@ impl State {
             self.in_number = false;
             let v = std::mem::take(&mut self.buf);
             self.complete(src, &v);
+            self.end_value();
+        }
+        let value_string = b == b'"'
+            && !self.in_string
+            && !(self.expect_key && self.stack.last().is_some_and(|f| f.object));
+        if let Some(g) = self.gap.as_mut() {
+            let starts = (b == b'-' || b.is_ascii_digit() || b.is_ascii_lowercase())
+                && !self.in_string
+                && !self.expect_key;
+            if !starts {
+                g.bytes.push(b);
+            }
+            if starts || value_string {
+                self.start_value();
+            }
+        }
+        if self.in_string {
+            // A key.
+            if self.escape {
+                self.escape = false;
+                self.buf.push(b);
+            } else if b == b'\\' {
+                self.escape = true;
+                self.buf.push(b);
+            } else if b == b'"' {
+                self.in_string = false;
+                if let Some(f) = self.stack.last_mut() {
+                    f.key = std::mem::take(&mut self.buf);
+                }
+            } else {
+                self.buf.push(b);
+            }
+            return;
         }
         if self.stack.is_empty() && b != b'{' && b != b'[' {
             return; // text around the JSON
@@ -143,7 +216,29 @@ impl State {
                 self.buf.clear();
                 self.buf.push(b);
             }
+            b'a'..=b'z' if !self.expect_key => self.in_literal = true,
             _ => {}
+        }
+    }
+
+    /// A byte inside a string value.
+    fn feed_value_string(&mut self, src: &[u8], b: u8) {
+        if self.escape {
+            self.escape = false;
+            self.buf.push(b);
+        } else if b == b'\\' {
+            self.escape = true;
+            self.buf.push(b);
+        } else if b == b'"' {
+            self.in_string = false;
+            let v = std::mem::take(&mut self.buf);
+            self.complete(src, &v);
+            self.end_value();
+            if let Some(g) = self.gap.as_mut() {
+                g.bytes.push(b);
+            }
+        } else {
+            self.buf.push(b);
         }
     }
 
@@ -414,12 +509,14 @@ impl PromptTextDrafter {
     }
 
     /// The text the value being written continues with, from the prompt: `None` when
-    /// there is no prediction.
+    /// there is no prediction; empty when the value written so far is the whole
+    /// predicted value.
     fn predict_text(&self, st: &State) -> Option<Vec<u8>> {
         let key = st.key();
         let writing = st.in_string && !st.string_is_key;
         let at_value = !st.in_string
             && !st.in_number
+            && !st.in_literal
             && !st.expect_key
             && st.stack.last().is_some_and(|f| f.object);
         if !(writing || st.in_number || at_value) || st.escape {
@@ -463,10 +560,50 @@ impl PromptTextDrafter {
                 .or_else(|| window.iter().position(|&b| b == SPECIAL))
                 .unwrap_or(window.len());
         let text = &src[start..end];
-        if text.is_empty() || text.contains(&SPECIAL) {
+        if text.contains(&SPECIAL) || (text.is_empty() && done.is_empty()) {
             return None;
         }
         Some(text.to_vec())
+    }
+
+    /// The text the output continues with: the rest of the value being written (from
+    /// the prompt), the syntax after it up to the next value (the gap its key path was
+    /// followed by last time), the next value, and so on, while both are predicted.
+    /// `st` is advanced over the text.
+    fn draft_text(&self, st: &mut State) -> Vec<u8> {
+        let mut text = Vec::new();
+        let mut push = |st: &mut State, part: &[u8], text: &mut Vec<u8>| {
+            for &b in part {
+                st.feed(&self.src, b);
+            }
+            text.extend_from_slice(part);
+        };
+        for _ in 0..MAX_PARTS {
+            let before = text.len();
+            // Between two values: the rest of the gap.
+            if let Some(g) = &st.gap {
+                let Some(full) = st.gaps.get(&g.after) else {
+                    break;
+                };
+                let Some(rest) = full.strip_prefix(g.bytes.as_slice()) else {
+                    break;
+                };
+                let rest = rest.to_vec();
+                push(st, &rest, &mut text);
+            }
+            let Some(value) = self.predict_text(st) else {
+                break;
+            };
+            push(st, &value, &mut text);
+            let Some(gap) = st.gaps.get(&st.key()).cloned() else {
+                break;
+            };
+            push(st, &gap, &mut text);
+            if text.len() == before || text.len() >= MAX_TEXT {
+                break;
+            }
+        }
+        text
     }
 }
 
@@ -485,12 +622,15 @@ impl Drafter for PromptTextDrafter {
         self.ensure_prompt(ctx.tokens, ctx.prompt_len);
         let mut st = self.state.clone();
         self.advance(&mut st, &ctx.tokens[self.seen.min(ctx.tokens.len())..]);
-        let Some(text) = self.predict_text(&st) else {
-            return out;
+        let text = self.draft_text(&mut st);
+        let text = match std::str::from_utf8(&text) {
+            Ok(t) => t,
+            // Cut inside a character: the valid part.
+            Err(e) => std::str::from_utf8(&text[..e.valid_up_to()]).unwrap_or_default(),
         };
-        let Ok(text) = std::str::from_utf8(&text) else {
+        if text.is_empty() {
             return out;
-        };
+        }
         for t in self.tok.encode(text, EncodeOptions::plain_text()) {
             if out.tokens.len() >= k || !mirror.try_push(t) {
                 break;
@@ -594,6 +734,11 @@ mod tests {
         String::from_utf8(b).expect("utf-8")
     }
 
+    /// A draft's first value: the text up to its closing quote.
+    fn value(draft: &str) -> &str {
+        draft.split('"').next().unwrap_or_default()
+    }
+
     fn enc(tok: &Tokenizer, s: &str) -> Vec<u32> {
         tok.encode(s, EncodeOptions::plain_text())
     }
@@ -618,18 +763,18 @@ mod tests {
         toks.extend(enc(&tok, "{\"name\":\""));
         // One location per key: the left context is the run of delimiters before it
         // (`\n` for the name), counted once from the previous value.
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "Alan Turing");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "Alan Turing");
         toks.extend(enc(&tok, "Alan Turing\",\"city\":\""));
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "Wilmslow");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "Wilmslow");
         toks.extend(enc(&tok, "Wilmslow\",\"email\":\""));
         d.observe(&toks);
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "alan@example.org");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "alan@example.org");
         // Partly written: the rest of the value.
         toks.extend(enc(&tok, "alan@"));
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "example.org");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "example.org");
         toks.extend(enc(&tok, "example.org\"},{\"name\":\""));
         d.observe(&toks);
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "Grace Hopper");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "Grace Hopper");
     }
 
     #[test]
@@ -648,9 +793,9 @@ mod tests {
             "[{\"n\":\"Ada\",\"p\":\"premium\"},{\"n\":\"Alan\",\"p\":\"team\"},{\"n\":\"",
         ));
         d.observe(&toks);
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "Grace");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "Grace");
         toks.extend(enc(&tok, "Grace\",\"p\":\""));
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "free");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "free");
     }
 
     #[test]
@@ -684,9 +829,11 @@ mod tests {
             target: None,
         };
         assert!(d.propose(&ctx, &mut Mirror::unconstrained()).is_empty());
-        // Inside a key: nothing.
-        toks.extend(enc(&tok, "Alan Turing\",\"ci"));
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "");
+        // Inside a key of the first record (no gap learned after `name` yet): nothing.
+        let mut first = prompt.clone();
+        first.extend(enc(&tok, "[{\"name\":\"Ada Lovelace\",\"ci"));
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft(&mut d, &first, prompt.len()), "");
     }
 
     #[test]
@@ -696,11 +843,21 @@ mod tests {
             st.feed(b"", b);
         }
         assert!(st.in_string && !st.string_is_key);
-        assert_eq!(st.key(), b"c");
+        assert_eq!(st.key(), b"a/b/c");
         for &b in b"\"}],\"d\":" {
             st.feed(b"", b);
         }
-        assert_eq!(st.key(), b"d");
+        assert_eq!(st.key(), b"a/d");
+        // Values and the gaps between them: `1` (path `a/b`) was followed by `,{"c":"`.
+        assert_eq!(st.gaps.get(b"a/b".as_slice()), Some(&b",{\"c\":\"".to_vec()));
+        // The gap after `x` is still open.
+        assert_eq!(
+            st.gap,
+            Some(Gap {
+                after: b"a/b/c".to_vec(),
+                bytes: b"\"}],\"d\":".to_vec()
+            })
+        );
         assert!(!st.expect_key);
     }
 }
