@@ -16,7 +16,7 @@
 //! mirror. It drafts only under a constraint, inside JSON: free text is the other
 //! drafters' business.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use text::{EncodeOptions, Tokenizer};
@@ -80,6 +80,8 @@ struct State {
     located: Vec<Located>,
     /// (previous key, key) → (left context, occurrences from the previous value's end).
     relations: HashMap<KeyPair, (Vec<u8>, usize)>,
+    /// Key paths with a value written (located or not).
+    written: HashSet<Vec<u8>>,
     /// Writing `true`, `false` or `null`.
     in_literal: bool,
     /// Between two values: the key path of the value before and the output bytes since
@@ -272,7 +274,7 @@ impl State {
         // A key never located yet (the first record): the next field, by the left
         // context of the value before it.
         let next_field = || {
-            if self.located.iter().any(|l| l.key == key) {
+            if self.written.contains(key) {
                 return None;
             }
             let own: Vec<&Located> = self
@@ -291,23 +293,44 @@ impl State {
 
     /// A value of the current key was completed: locate it in `src` and learn.
     fn complete(&mut self, src: &[u8], v: &[u8]) {
-        if v.len() < MIN_LOCATED || v.contains(&b'\\') {
+        let key = self.key();
+        if !self.written.contains(&key) {
+            self.written.insert(key.clone());
+        }
+        if v.is_empty() || v.contains(&b'\\') {
             return;
         }
-        let key = self.key();
         let predicted = self.predict(src, &key).map(|p| p.0);
         let after = self.located.last().map_or(0, |l| l.end);
+        // A short value only where it was predicted, as a whole word.
+        let whole = |q: usize| src.get(q + v.len()).is_none_or(|&b| !is_value_byte(b));
         let start = match predicted {
-            Some(q) if src[q..].starts_with(v) => Some(q),
-            _ => find(&src[after..], v)
-                .map(|p| after + p)
-                .or_else(|| find(src, v)),
+            Some(q) if src[unquoted(src, q)..].starts_with(v) && whole(unquoted(src, q)) => {
+                Some(unquoted(src, q))
+            }
+            // The first occurrence standing on its own from the previous value on (a
+            // number written inside the previous value: `took 12ms` → 12), else any.
+            _ => find_bounded(src, self.located.last().map_or(0, |l| l.start), v).or_else(|| {
+                if v.len() < MIN_LOCATED {
+                    return None;
+                }
+                find(&src[after..], v)
+                    .map(|p| after + p)
+                    .or_else(|| find(src, v))
+            }),
         };
-        let Some(start) = start else { return };
+        let Some(mut start) = start else { return };
+        let mut end = start + v.len();
+        // A quoted field (`"Sales, EMEA"` in CSV): the field is the location, quotes
+        // included, so its contexts are the delimiters around it.
+        if start > 0 && src[start - 1] == b'"' && src.get(end) == Some(&b'"') {
+            start -= 1;
+            end += 1;
+        }
         let loc = Located {
             key: key.clone(),
             start,
-            end: start + v.len(),
+            end,
         };
         let own: Vec<&Located> = self
             .located
@@ -416,6 +439,12 @@ fn right_context(src: &[u8], end: usize, own: &[&Located]) -> Vec<u8> {
     mine[..n].to_vec()
 }
 
+/// Where the value of a field starting at `q` starts: after its opening quote when the
+/// field is quoted.
+fn unquoted(src: &[u8], q: usize) -> usize {
+    if src.get(q) == Some(&b'"') { q + 1 } else { q }
+}
+
 /// How many occurrences of `left` end in `(from, to]`, if one ends exactly at `to`.
 fn count_to(src: &[u8], from: usize, left: &[u8], to: usize) -> Option<usize> {
     if !src[..to].ends_with(left) {
@@ -441,6 +470,33 @@ fn nth_after(src: &[u8], from: usize, left: &[u8], n: usize) -> Option<usize> {
                 return Some(q);
             }
         }
+    }
+    None
+}
+
+/// The first occurrence of `v` in `src` from `from` on that stands on its own: a number
+/// not inside a longer number, other text not inside a word.
+fn find_bounded(src: &[u8], from: usize, v: &[u8]) -> Option<usize> {
+    let numeric = v.iter().all(|b| b.is_ascii_digit() || matches!(b, b'.' | b'-'));
+    let inner = |b: u8| {
+        if numeric {
+            b.is_ascii_digit()
+        } else {
+            is_value_byte(b)
+        }
+    };
+    let mut at = from;
+    while let Some(p) = find(&src[at.min(src.len())..], v) {
+        let q = at + p;
+        let before = q.checked_sub(1).map(|i| src[i]);
+        let after = src.get(q + v.len()).copied();
+        let decimal = numeric
+            && after == Some(b'.')
+            && src.get(q + v.len() + 1).is_some_and(|b| b.is_ascii_digit());
+        if !before.is_some_and(inner) && !after.is_some_and(inner) && !decimal {
+            return Some(q);
+        }
+        at = q + 1;
     }
     None
 }
@@ -522,8 +578,10 @@ impl PromptTextDrafter {
         if !(writing || st.in_number || at_value) || st.escape {
             return None;
         }
-        let (q, from) = st.predict(&self.src, &key)?;
+        let (field, from) = st.predict(&self.src, &key)?;
         let src = &self.src;
+        let q = unquoted(src, field);
+        let quoted = q > field;
         let done = &st.buf;
         let start = if src[q..].starts_with(done) {
             q + done.len()
@@ -553,6 +611,8 @@ impl PromptTextDrafter {
         let hi = (start + MAX_VALUE).min(src.len());
         let window = &src[start..hi];
         // The right context, else its first byte (the last record), else the text's end.
+        // A quoted field ends at its closing quote.
+        let right = if quoted { b"\"".to_vec() } else { right };
         let end = start
             + right
                 .first()
@@ -775,6 +835,58 @@ mod tests {
         toks.extend(enc(&tok, "example.org\"},{\"name\":\""));
         d.observe(&toks);
         assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "Grace Hopper");
+    }
+
+    #[test]
+    fn drafts_whole_records_values_and_syntax_between_them() {
+        // Pretty-printed output: after one record the gaps (closing quote, `,\n`, the
+        // indentation, the next key, its opening quote) are known per key, so a draft
+        // runs through the next record's fields.
+        let tok = tokenizer();
+        let prompt = enc(&tok, CSV);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(
+            &tok,
+            "[\n  {\n    \"name\": \"Ada Lovelace\",\n    \"city\": \"London\",\n    \
+             \"email\": \"ada@example.com\"\n  },\n  {\n    \"name\": \"Alan Turing\",\n",
+        ));
+        d.observe(&toks);
+        // Mid-gap: the rest of it, the value, the next gap...
+        assert_eq!(
+            draft(&mut d, &toks, prompt.len()),
+            "    \"city\": \"Wilmslow\",\n    \"email\": \"alan@example.org\"\n  },\n  {"
+        );
+        // (64 bytes: the cap.) Then the next record.
+        toks.extend(enc(
+            &tok,
+            "    \"city\": \"Wilmslow\",\n    \"email\": \"alan@example.org\"\n  },\n  {\n",
+        ));
+        d.observe(&toks);
+        assert_eq!(
+            draft(&mut d, &toks, prompt.len()),
+            "    \"name\": \"Grace Hopper\",\n    \"city\": \"Arlington\",\n    \"email\""
+        );
+    }
+
+    #[test]
+    fn a_quoted_csv_field_is_drafted_without_its_quotes_and_whole() {
+        let tok = tokenizer();
+        let text = "id,name,dept\n1,\"Okafor, Chidi\",Engineering\n\
+                    2,\"van der Berg, Anneke\",\"Sales, EMEA\"\n3,\"Smith, Jo\",Support\n";
+        let prompt = enc(&tok, text);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(
+            &tok,
+            "[{\"id\":1,\"name\":\"Okafor, Chidi\",\"dept\":\"Engineering\"},\
+             {\"id\":2,\"name\":\"van der Berg, Anneke\",\"dept\":\"",
+        ));
+        d.observe(&toks);
+        assert_eq!(
+            draft(&mut d, &toks, prompt.len()),
+            "Sales, EMEA\"},{\"id\":3,\"name\":\"Smith, Jo\",\"dept\":\"Support\"},{\"id\""
+        );
     }
 
     #[test]
