@@ -47,6 +47,11 @@ fn is_value_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || (b >= 0x80 && b != SPECIAL)
 }
 
+/// A byte of a plain number (`-12.50`).
+fn is_number_byte(b: u8) -> bool {
+    b.is_ascii_digit() || matches!(b, b'.' | b'-')
+}
+
 /// A JSON container being written.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Frame {
@@ -80,6 +85,11 @@ struct State {
     located: Vec<Located>,
     /// (previous key, key) → (left context, occurrences from the previous value's end).
     relations: HashMap<KeyPair, (Vec<u8>, usize)>,
+    /// (previous key, key) → the bytes after the key's value to the end of the previous
+    /// value, when the key's value was found inside it.
+    inside: HashMap<KeyPair, Vec<u8>>,
+    /// Key paths whose last value was a number.
+    numeric: HashSet<Vec<u8>>,
     /// Key paths with a value written (located or not).
     written: HashSet<Vec<u8>>,
     /// Writing `true`, `false` or `null`.
@@ -155,6 +165,7 @@ impl State {
             }
             self.in_number = false;
             let v = std::mem::take(&mut self.buf);
+            self.numeric.insert(self.key());
             self.complete(src, &v);
             self.end_value();
         }
@@ -234,6 +245,7 @@ impl State {
         } else if b == b'"' {
             self.in_string = false;
             let v = std::mem::take(&mut self.buf);
+            self.numeric.remove(&self.key());
             self.complete(src, &v);
             self.end_value();
             if let Some(g) = self.gap.as_mut() {
@@ -287,8 +299,33 @@ impl State {
             let (first, rest) = own.split_first()?;
             Some((last.end, left_context(src, first.start, rest), 1))
         };
+        // Inside the value before, at the same distance from its end (`took 842ms`: the
+        // duration before `ms`).
+        let inside = || {
+            let tail = self.inside.get(&(last.key.clone(), key.to_vec()))?;
+            let span = &src[last.start..last.end];
+            if !span.ends_with(tail) {
+                return None;
+            }
+            let end = last.end - tail.len();
+            let numeric = self.numeric.contains(key);
+            let mut q = end;
+            while q > last.start
+                && (is_value_byte(src[q - 1]) && (!numeric || is_number_byte(src[q - 1])))
+            {
+                q -= 1;
+            }
+            (q < end).then_some((q, last.start))
+        };
+        if let Some(p) = inside() {
+            return Some(p);
+        }
         let (from, left, n) = by_pair.or_else(by_self).or_else(next).or_else(next_field)?;
-        nth_after(src, from, &left, n).map(|q| (q, from))
+        // The context, else its shorter ends (a first record's context may hold the
+        // text before the records: `):\n`).
+        (0..left.len())
+            .find_map(|cut| nth_after(src, from, &left[cut..], n))
+            .map(|q| (q, from))
     }
 
     /// A value of the current key was completed: locate it in `src` and learn.
@@ -340,6 +377,14 @@ impl State {
             .take(KEEP - 1)
             .collect();
         let left = left_context(src, start, &own);
+        if let Some(p) = self.located.last()
+            && p.start <= start
+            && end < p.end
+            && p.end - end <= MAX_CONTEXT
+        {
+            self.inside
+                .insert((p.key.clone(), key.clone()), src[end..p.end].to_vec());
+        }
         if !left.is_empty() {
             // Relations to the previous location and to this key's own previous one.
             let prev = self.located.last().cloned();
@@ -611,12 +656,18 @@ impl PromptTextDrafter {
         let hi = (start + MAX_VALUE).min(src.len());
         let window = &src[start..hi];
         // The right context, else its first byte (the last record), else the text's end.
-        // A quoted field ends at its closing quote.
+        // A quoted field ends at its closing quote, a number where it stops.
         let right = if quoted { b"\"".to_vec() } else { right };
+        let number_end = (st.in_number || (at_value && st.numeric.contains(&key)))
+            .then(|| window.iter().position(|&b| !is_number_byte(b)))
+            .flatten();
         let end = start
-            + right
-                .first()
-                .and_then(|&b0| find(window, &right).or_else(|| find(window, &[b0])))
+            + number_end
+                .or_else(|| {
+                    right
+                        .first()
+                        .and_then(|&b0| find(window, &right).or_else(|| find(window, &[b0])))
+                })
                 .or_else(|| window.iter().position(|&b| b == SPECIAL))
                 .unwrap_or(window.len());
         let text = &src[start..end];
@@ -683,6 +734,18 @@ impl Drafter for PromptTextDrafter {
         let mut st = self.state.clone();
         self.advance(&mut st, &ctx.tokens[self.seen.min(ctx.tokens.len())..]);
         let text = self.draft_text(&mut st);
+        if std::env::var_os("PT_DEBUG").is_some() {
+            let mut dbg = self.state.clone();
+            self.advance(&mut dbg, &ctx.tokens[self.seen.min(ctx.tokens.len())..]);
+            eprintln!(
+                "PT pos={} key={:?} gap={:?} buf={:?} draft={:?}",
+                ctx.tokens.len(),
+                String::from_utf8_lossy(&dbg.key()),
+                dbg.gap.as_ref().map(|g| String::from_utf8_lossy(&g.bytes).to_string()),
+                String::from_utf8_lossy(&dbg.buf),
+                String::from_utf8_lossy(&text)
+            );
+        }
         let text = match std::str::from_utf8(&text) {
             Ok(t) => t,
             // Cut inside a character: the valid part.
