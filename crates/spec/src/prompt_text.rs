@@ -47,6 +47,15 @@ fn is_value_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || (b >= 0x80 && b != SPECIAL)
 }
 
+/// The word (value bytes) at `q`.
+fn word_at(src: &[u8], q: usize) -> &[u8] {
+    let n = src[q.min(src.len())..]
+        .iter()
+        .take_while(|&&b| is_value_byte(b))
+        .count();
+    &src[q..q + n]
+}
+
 /// A byte of a plain number (`-12.50`).
 fn is_number_byte(b: u8) -> bool {
     b.is_ascii_digit() || matches!(b, b'.' | b'-')
@@ -90,6 +99,10 @@ struct State {
     inside: HashMap<KeyPair, Vec<u8>>,
     /// Key paths whose last value was a number.
     numeric: HashSet<Vec<u8>>,
+    /// Key paths whose last value was `true`, `false` or `null`.
+    literal: HashSet<Vec<u8>>,
+    /// (key path, prompt word) → the literal written for it.
+    mapped: HashMap<KeyPair, Vec<u8>>,
     /// Key paths with a value written (located or not).
     written: HashSet<Vec<u8>>,
     /// Writing `true`, `false` or `null`.
@@ -153,9 +166,12 @@ impl State {
         }
         if self.in_literal {
             if b.is_ascii_lowercase() {
+                self.buf.push(b);
                 return;
             }
             self.in_literal = false;
+            let v = std::mem::take(&mut self.buf);
+            self.complete_literal(src, v);
             self.end_value();
         }
         if self.in_number {
@@ -229,7 +245,11 @@ impl State {
                 self.buf.clear();
                 self.buf.push(b);
             }
-            b'a'..=b'z' if !self.expect_key => self.in_literal = true,
+            b'a'..=b'z' if !self.expect_key => {
+                self.in_literal = true;
+                self.buf.clear();
+                self.buf.push(b);
+            }
             _ => {}
         }
     }
@@ -328,6 +348,29 @@ impl State {
             .map(|q| (q, from))
     }
 
+    /// A `true`, `false` or `null` of the current key was completed: the prompt word at
+    /// the predicted place is learned to map to it (`yes` → `true`), and located.
+    fn complete_literal(&mut self, src: &[u8], v: Vec<u8>) {
+        let key = self.key();
+        self.written.insert(key.clone());
+        self.numeric.remove(&key);
+        self.literal.insert(key.clone());
+        let Some((q, _)) = self.predict(src, &key) else {
+            return;
+        };
+        let q = unquoted(src, q);
+        let word = word_at(src, q);
+        if word.is_empty() {
+            return;
+        }
+        self.mapped.insert((key.clone(), word.to_vec()), v);
+        self.located.push(Located {
+            key,
+            start: q,
+            end: q + word.len(),
+        });
+    }
+
     /// A value of the current key was completed: locate it in `src` and learn.
     fn complete(&mut self, src: &[u8], v: &[u8]) {
         let key = self.key();
@@ -422,11 +465,23 @@ fn left_context(src: &[u8], start: usize, own: &[&Located]) -> Vec<u8> {
     let before = |s: usize| &src[s.saturating_sub(MAX_CONTEXT)..s];
     let mine = before(start);
     let mut n = if own.is_empty() {
-        mine.iter()
-            .rev()
-            .take_while(|&&b| !is_value_byte(b) && b != SPECIAL)
-            .count()
-            .min(8)
+        // The line up to the value when other lines start alike (`\nEmail: `,
+        // `\n<tr><td>`), else the delimiters just before it.
+        let line = mine
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map(|p| mine.len() - p)
+            .filter(|&n| {
+                let pat = &mine[mine.len() - n..];
+                src.windows(n).filter(|w| *w == pat).take(2).count() == 2
+            });
+        line.unwrap_or_else(|| {
+            mine.iter()
+                .rev()
+                .take_while(|&&b| !is_value_byte(b) && b != SPECIAL)
+                .count()
+                .min(8)
+        })
     } else {
         own.iter()
             .map(|l| {
@@ -620,7 +675,7 @@ impl PromptTextDrafter {
             && !st.in_literal
             && !st.expect_key
             && st.stack.last().is_some_and(|f| f.object);
-        if !(writing || st.in_number || at_value) || st.escape {
+        if !(writing || st.in_number || st.in_literal || at_value) || st.escape {
             return None;
         }
         let (field, from) = st.predict(&self.src, &key)?;
@@ -628,6 +683,11 @@ impl PromptTextDrafter {
         let q = unquoted(src, field);
         let quoted = q > field;
         let done = &st.buf;
+        if st.in_literal || (at_value && st.literal.contains(&key)) {
+            // The literal this prompt word was written as before.
+            let lit = st.mapped.get(&(key, word_at(src, q).to_vec()))?;
+            return lit.strip_prefix(done.as_slice()).map(<[u8]>::to_vec);
+        }
         let start = if src[q..].starts_with(done) {
             q + done.len()
         } else if done.len() >= 3 {
