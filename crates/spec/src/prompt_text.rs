@@ -99,6 +99,12 @@ struct State {
     inside: HashMap<KeyPair, Vec<u8>>,
     /// Key paths whose last value was a number.
     numeric: HashSet<Vec<u8>>,
+    /// Key path → the bytes between its key's closing quote and its value (`": "`).
+    post: HashMap<Vec<u8>, Vec<u8>>,
+    /// The bytes between the last key and its value.
+    last_post: Option<Vec<u8>>,
+    /// After a key, until its value starts: the bytes since the key's closing quote.
+    post_buf: Option<Vec<u8>>,
     /// Key paths whose last value was `true`, `false` or `null`.
     literal: HashSet<Vec<u8>>,
     /// (key path, prompt word) → the literal written for it.
@@ -140,6 +146,34 @@ impl State {
             path.extend_from_slice(&f.key);
         }
         path
+    }
+
+    /// The rest of the syntax up to the value of the key being written (inside the key
+    /// or after it): what followed this key last time, else what followed the last key.
+    fn post_rest(&self) -> Option<Vec<u8>> {
+        let learned = |path: &[u8]| {
+            self.post
+                .get(path)
+                .or(self.last_post.as_ref())
+                .cloned()
+        };
+        if self.in_string && self.string_is_key {
+            let mut path = Vec::new();
+            let n = self.stack.iter().filter(|f| f.object).count();
+            for (i, f) in self.stack.iter().filter(|f| f.object).enumerate() {
+                if i > 0 {
+                    path.push(b'/');
+                }
+                path.extend_from_slice(if i + 1 == n { &self.buf } else { &f.key });
+            }
+            let mut rest = vec![b'"'];
+            rest.extend(learned(&path)?);
+            return Some(rest);
+        }
+        let done = self.post_buf.as_ref()?;
+        learned(&self.key())?
+            .strip_prefix(done.as_slice())
+            .map(<[u8]>::to_vec)
     }
 
     /// A value ended: the gap after it starts.
@@ -188,15 +222,25 @@ impl State {
         let value_string = b == b'"'
             && !self.in_string
             && !(self.expect_key && self.stack.last().is_some_and(|f| f.object));
-        if let Some(g) = self.gap.as_mut() {
-            let starts = (b == b'-' || b.is_ascii_digit() || b.is_ascii_lowercase())
-                && !self.in_string
-                && !self.expect_key;
-            if !starts {
+        let starts = (b == b'-' || b.is_ascii_digit() || b.is_ascii_lowercase())
+            && !self.in_string
+            && !self.expect_key
+            && !self.stack.is_empty();
+        if !starts {
+            if let Some(g) = self.gap.as_mut() {
                 g.bytes.push(b);
             }
-            if starts || value_string {
-                self.start_value();
+            if let Some(p) = self.post_buf.as_mut() {
+                p.push(b);
+            }
+        }
+        if starts || value_string {
+            self.start_value();
+            if let Some(p) = self.post_buf.take()
+                && p.len() <= MAX_CONTEXT
+            {
+                self.post.insert(self.key(), p.clone());
+                self.last_post = Some(p);
             }
         }
         if self.in_string {
@@ -212,6 +256,7 @@ impl State {
                 if let Some(f) = self.stack.last_mut() {
                     f.key = std::mem::take(&mut self.buf);
                 }
+                self.post_buf = Some(Vec::new());
             } else {
                 self.buf.push(b);
             }
@@ -317,7 +362,8 @@ impl State {
                 .take(KEEP)
                 .collect();
             let (first, rest) = own.split_first()?;
-            Some((last.end, left_context(src, first.start, rest), 1))
+            let left = context_before(src, first.start, rest, false);
+            Some((last.end, left, 1))
         };
         // Inside the value before, at the same distance from its end (`took 842ms`: the
         // duration before `ms`).
@@ -340,7 +386,20 @@ impl State {
         if let Some(p) = inside() {
             return Some(p);
         }
-        let (from, left, n) = by_pair.or_else(by_self).or_else(next).or_else(next_field)?;
+        let known = by_pair.or_else(by_self).or_else(next);
+        if known.is_none()
+            && !self.written.contains(key)
+            && src[..last.start].ends_with(b"\n")
+        {
+            // A first record's field after one that starts a line: after the delimiters
+            // that follow the value before (`,` in CSV).
+            let n = src[last.end..]
+                .iter()
+                .take_while(|&&b| !is_value_byte(b) && b != SPECIAL && b != b'\n')
+                .count();
+            return (n > 0).then_some((last.end + n, last.end));
+        }
+        let (from, left, n) = known.or_else(next_field)?;
         // The context, else its shorter ends (a first record's context may hold the
         // text before the records: `):\n`).
         (0..left.len())
@@ -462,6 +521,12 @@ impl State {
 /// before all of them in common (at most [`MAX_CONTEXT`]); with none, the run of non-value
 /// bytes just before it. Empty when there is none.
 fn left_context(src: &[u8], start: usize, own: &[&Located]) -> Vec<u8> {
+    context_before(src, start, own, true)
+}
+
+/// [`left_context`]; with `lines` false a first location's context is only the
+/// delimiters before it (the next field of a first record is on the same line).
+fn context_before(src: &[u8], start: usize, own: &[&Located], lines: bool) -> Vec<u8> {
     let before = |s: usize| &src[s.saturating_sub(MAX_CONTEXT)..s];
     let mine = before(start);
     let mut n = if own.is_empty() {
@@ -471,7 +536,7 @@ fn left_context(src: &[u8], start: usize, own: &[&Located]) -> Vec<u8> {
             .iter()
             .rposition(|&b| b == b'\n')
             .map(|p| mine.len() - p)
-            .filter(|&n| {
+            .filter(|&n| lines && {
                 let pat = &mine[mine.len() - n..];
                 src.windows(n).filter(|w| *w == pat).take(2).count() == 2
             });
@@ -753,13 +818,16 @@ impl PromptTextDrafter {
             let before = text.len();
             // Between two values: the rest of the gap.
             if let Some(g) = &st.gap {
-                let Some(full) = st.gaps.get(&g.after) else {
+                let rest = st
+                    .gaps
+                    .get(&g.after)
+                    .and_then(|full| full.strip_prefix(g.bytes.as_slice()))
+                    .map(<[u8]>::to_vec)
+                    // An unknown gap: from its key on, what follows keys.
+                    .or_else(|| st.post_rest());
+                let Some(rest) = rest else {
                     break;
                 };
-                let Some(rest) = full.strip_prefix(g.bytes.as_slice()) else {
-                    break;
-                };
-                let rest = rest.to_vec();
                 push(st, &rest, &mut text);
             }
             let Some(value) = self.predict_text(st) else {
@@ -1064,11 +1132,15 @@ mod tests {
             target: None,
         };
         assert!(d.propose(&ctx, &mut Mirror::unconstrained()).is_empty());
-        // Inside a key of the first record (no gap learned after `name` yet): nothing.
+        // Inside a key of the first record: the end of the key as keys ended so far, the
+        // field after the one before in the prompt, and no gap after it yet.
         let mut first = prompt.clone();
         first.extend(enc(&tok, "[{\"name\":\"Ada Lovelace\",\"ci"));
         let mut d = PromptTextDrafter::new(tok.clone());
-        assert_eq!(draft(&mut d, &first, prompt.len()), "");
+        assert_eq!(draft(&mut d, &first, prompt.len()), "\":\"London");
+        // Inside an object key before any value: nothing known.
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft(&mut d, &enc(&tok, "[{\"na"), 0), "");
     }
 
     #[test]
