@@ -345,7 +345,7 @@ impl State {
                 .take(KEEP)
                 .collect();
             let (first, rest) = own.split_first()?;
-            let left = left_context(src, first.start, rest);
+            let left = left_context(src, first.start, rest, self.floor(first));
             Some((last.end, left, 1))
         };
         // A key never located yet (the first record): the next field, by the left
@@ -362,7 +362,7 @@ impl State {
                 .take(KEEP)
                 .collect();
             let (first, rest) = own.split_first()?;
-            let left = context_before(src, first.start, rest, false);
+            let left = left_context(src, first.start, rest, None);
             Some((last.end, left, 1))
         };
         // Inside the value before, at the same distance from its end (`took 842ms`: the
@@ -430,6 +430,18 @@ impl State {
         });
     }
 
+    /// The end of the location before `loc` in the output, where it lies before `loc`
+    /// in the prompt.
+    fn floor(&self, loc: &Located) -> Option<usize> {
+        let i = self.located.iter().position(|l| l == loc)?;
+        Some(
+            i.checked_sub(1)
+                .map(|j| self.located[j].end)
+                .filter(|&e| e <= loc.start)
+                .unwrap_or(0),
+        )
+    }
+
     /// A value of the current key was completed: locate it in `src` and learn.
     fn complete(&mut self, src: &[u8], v: &[u8]) {
         let key = self.key();
@@ -478,7 +490,7 @@ impl State {
             .filter(|l| l.key == key)
             .take(KEEP - 1)
             .collect();
-        let left = left_context(src, start, &own);
+        let left = left_context(src, start, &own, Some(self.located.last().map_or(0, |l| l.end)));
         if let Some(p) = self.located.last()
             && p.start <= start
             && end < p.end
@@ -518,15 +530,14 @@ impl State {
 }
 
 /// The left context of a value at `start`: with earlier locations of the key, the bytes
-/// before all of them in common (at most [`MAX_CONTEXT`]); with none, the run of non-value
+/// before all of them in common (at most [`MAX_CONTEXT`]); with none, the line up to it
+/// when other lines start alike (`\nEmail: `, `\n<tr><td>`), else the run of non-value
 /// bytes just before it. Empty when there is none.
-fn left_context(src: &[u8], start: usize, own: &[&Located]) -> Vec<u8> {
-    context_before(src, start, own, true)
-}
-
-/// [`left_context`]; with `lines` false a first location's context is only the
-/// delimiters before it (the next field of a first record is on the same line).
-fn context_before(src: &[u8], start: usize, own: &[&Located], lines: bool) -> Vec<u8> {
+///
+/// A first location's line prefix counts only from `floor` on (the end of the value
+/// before it: a prefix holding another value, `- 2 x `, is no layout); `None`: only the
+/// delimiters (the next field of a first record is on the same line).
+fn left_context(src: &[u8], start: usize, own: &[&Located], floor: Option<usize>) -> Vec<u8> {
     let before = |s: usize| &src[s.saturating_sub(MAX_CONTEXT)..s];
     let mine = before(start);
     let mut n = if own.is_empty() {
@@ -536,7 +547,7 @@ fn context_before(src: &[u8], start: usize, own: &[&Located], lines: bool) -> Ve
             .iter()
             .rposition(|&b| b == b'\n')
             .map(|p| mine.len() - p)
-            .filter(|&n| lines && {
+            .filter(|&n| floor.is_some_and(|f| start - n >= f) && {
                 let pat = &mine[mine.len() - n..];
                 src.windows(n).filter(|w| *w == pat).take(2).count() == 2
             });
@@ -1078,6 +1089,39 @@ mod tests {
             draft(&mut d, &toks, prompt.len()),
             "Sales, EMEA\"},{\"id\":3,\"name\":\"Smith, Jo\",\"dept\":\"Support\"},{\"id\""
         );
+    }
+
+    const ORDERS: &str = "Order A-1001 (customer: Maria Rossi, maria@example.com)\n\
+                          - 2 x Espresso Beans 1kg @ 18.50\n\
+                          - 1 x Milk Frother @ 34.00\n\
+                          Order A-1002 (customer: Kenji Sato, kenji@example.com)\n\
+                          - 3 x Green Tea 250g @ 7.25\n\
+                          - 1 x Glass Teapot @ 22.90\n\
+                          - 2 x Bamboo Tray @ 12.00\n";
+
+    #[test]
+    fn nested_items_follow_their_lines() {
+        let tok = tokenizer();
+        let prompt = enc(&tok, ORDERS);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(
+            &tok,
+            "[{\"order_id\":\"A-1001\",\"customer\":{\"name\":\"Maria Rossi\",\
+             \"email\":\"maria@example.com\"},\"items\":[{\"quantity\":2,\
+             \"product\":\"Espresso Beans 1kg\",\"unit_price\":18.50},{\"quantity\":1,\
+             \"product\":\"",
+        ));
+        d.observe(&toks);
+        // The item on the next line (not the later `- 2 x ` line: its prefix holds a
+        // value), then the next item's syntax and the line after (the drafter does not
+        // know the order ends there; the target decides).
+        assert_eq!(
+            draft(&mut d, &toks, prompt.len()),
+            "Milk Frother\",\"unit_price\":34.00},{\"quantity\":3,\"product\":\"Green"
+        );
+        toks.extend(enc(&tok, "Milk"));
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), " Frother");
     }
 
     #[test]
