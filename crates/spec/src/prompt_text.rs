@@ -399,7 +399,20 @@ impl State {
                 .count();
             return (n > 0).then_some((last.end + n, last.end));
         }
+        let guess = known.is_none();
         let (from, left, n) = known.or_else(next_field)?;
+        if guess {
+            // A first record's guess: the first place after the context where a value
+            // can start (not `</td>` for `>`).
+            let starts = |q: usize| {
+                src.get(q)
+                    .is_some_and(|&b| is_value_byte(b) || b"\"'+-$.#@(".contains(&b))
+            };
+            return (1..=8)
+                .filter_map(|i| nth_after(src, from, &left, i))
+                .find(|&q| starts(q))
+                .map(|q| (q, from));
+        }
         // The context, else its shorter ends (a first record's context may hold the
         // text before the records: `):\n`).
         (0..left.len())
@@ -411,10 +424,11 @@ impl State {
     /// the predicted place is learned to map to it (`yes` → `true`), and located.
     fn complete_literal(&mut self, src: &[u8], v: Vec<u8>) {
         let key = self.key();
+        let predicted = self.predict(src, &key);
         self.written.insert(key.clone());
         self.numeric.remove(&key);
         self.literal.insert(key.clone());
-        let Some((q, _)) = self.predict(src, &key) else {
+        let Some((q, _)) = predicted else {
             return;
         };
         let q = unquoted(src, q);
@@ -422,12 +436,9 @@ impl State {
         if word.is_empty() {
             return;
         }
+        let end = q + word.len();
         self.mapped.insert((key.clone(), word.to_vec()), v);
-        self.located.push(Located {
-            key,
-            start: q,
-            end: q + word.len(),
-        });
+        self.learn(src, key, q, end);
     }
 
     /// The end of the location before `loc` in the output, where it lies before `loc`
@@ -445,13 +456,11 @@ impl State {
     /// A value of the current key was completed: locate it in `src` and learn.
     fn complete(&mut self, src: &[u8], v: &[u8]) {
         let key = self.key();
-        if !self.written.contains(&key) {
-            self.written.insert(key.clone());
-        }
+        let predicted = self.predict(src, &key).map(|p| p.0);
+        self.written.insert(key.clone());
         if v.is_empty() || v.contains(&b'\\') {
             return;
         }
-        let predicted = self.predict(src, &key).map(|p| p.0);
         let after = self.located.last().map_or(0, |l| l.end);
         // A short value only where it was predicted, as a whole word.
         let whole = |q: usize| src.get(q + v.len()).is_none_or(|&b| !is_value_byte(b));
@@ -478,6 +487,12 @@ impl State {
             start -= 1;
             end += 1;
         }
+        self.learn(src, key, start, end);
+    }
+
+    /// The value of `key` was found at `start..end` of `src`: learn its contexts and
+    /// relations, and remember the location.
+    fn learn(&mut self, src: &[u8], key: Vec<u8>, start: usize, end: usize) {
         let loc = Located {
             key: key.clone(),
             start,
@@ -1122,6 +1137,28 @@ mod tests {
         );
         toks.extend(enc(&tok, "Milk"));
         assert_eq!(value(&draft(&mut d, &toks, prompt.len())), " Frother");
+    }
+
+    #[test]
+    fn a_literal_is_drafted_for_the_prompt_word_it_stood_for_before() {
+        // An HTML table: `yes`/`no` become `true`/`false`; once `yes` was written as
+        // `true`, the next `yes` row drafts `true`, and the first-record guess skips
+        // `</td>` for the next cell.
+        let tok = tokenizer();
+        let text = "<tr><td>Mouse</td><td>24.99</td><td>yes</td></tr>\n\
+                    <tr><td>Keyboard</td><td>89.00</td><td>no</td></tr>\n\
+                    <tr><td>Hub</td><td>39.50</td><td>yes</td></tr>\n";
+        let prompt = enc(&tok, text);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(&tok, "[{\"p\":\"Mouse\",\"price\":2"));
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "4.99");
+        toks.extend(enc(
+            &tok,
+            "4.99,\"ok\":true},{\"p\":\"Keyboard\",\"price\":89.00,\"ok\":false},{\"p\":\"",
+        ));
+        d.observe(&toks);
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "Hub\",\"price\":39.50,\"ok\":true},{\"p\":\"");
     }
 
     #[test]
