@@ -105,6 +105,8 @@ struct State {
     last_post: Option<Vec<u8>>,
     /// After a key, until its value starts: the bytes since the key's closing quote.
     post_buf: Option<Vec<u8>>,
+    /// Key path → the templates its values were re-formatted from the prompt by.
+    formats: HashMap<Vec<u8>, Vec<DateFormat>>,
     /// Key paths whose last value was `true`, `false` or `null`.
     literal: HashSet<Vec<u8>>,
     /// (key path, prompt word) → the literal written for it.
@@ -479,7 +481,26 @@ impl State {
                     .or_else(|| find(src, v))
             }),
         };
-        let Some(mut start) = start else { return };
+        let from = self.located.last().map_or(0, |l| l.start);
+        let Some(mut start) = start else {
+            // Written differently: a number with thousands separators, a date.
+            if let Some((q, e)) = find_number(src, from, v) {
+                self.learn(src, key, q, e);
+            } else if let Some((q, e, fs)) = DateFormat::find(src, predicted, after, v) {
+                self.formats.insert(key.clone(), fs);
+                self.learn(src, key, q, e);
+            } else if let Some(fs) = self.formats.get_mut(&key) {
+                // Keep the templates that explain this value where it was predicted.
+                if let Some(q) = predicted {
+                    fs.retain(|f| f.apply(src, q).as_deref() == Some(v));
+                    if let Some(f) = fs.first() {
+                        let e = q + f.span(src, q).unwrap_or(0);
+                        self.learn(src, key, q, e);
+                    }
+                }
+            }
+            return;
+        };
         let mut end = start + v.len();
         // A quoted field (`"Sales, EMEA"` in CSV): the field is the location, quotes
         // included, so its contexts are the delimiters around it.
@@ -692,6 +713,213 @@ fn find_bounded(src: &[u8], from: usize, v: &[u8]) -> Option<usize> {
     None
 }
 
+/// The number at `q` (digits, one `.`, a leading `-`; `,` only as a thousands
+/// separator, dropped): its end and its plain text.
+fn number_at(src: &[u8], q: usize) -> Option<(usize, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut i = q;
+    let mut dot = false;
+    while let Some(&b) = src.get(i) {
+        let digits_after = |n: usize| {
+            (1..=n).all(|k| src.get(i + k).is_some_and(u8::is_ascii_digit))
+                && !src.get(i + n + 1).is_some_and(u8::is_ascii_digit)
+        };
+        if b.is_ascii_digit() || (b == b'-' && i == q) {
+            out.push(b);
+        } else if b == b'.' && !dot && src.get(i + 1).is_some_and(u8::is_ascii_digit) {
+            dot = true;
+            out.push(b);
+        } else if b == b',' && !dot && !out.is_empty() && digits_after(3) {
+            // A thousands separator.
+        } else {
+            break;
+        }
+        i += 1;
+    }
+    out.iter().any(u8::is_ascii_digit).then_some((i, out))
+}
+
+/// A number in `src` from `from` on (not inside a longer number) whose plain text is
+/// `v` while the prompt writes it otherwise (`$1,234.50` for `1234.50`): its span.
+fn find_number(src: &[u8], from: usize, v: &[u8]) -> Option<(usize, usize)> {
+    if v.is_empty() || !v.iter().all(|&b| is_number_byte(b)) {
+        return None;
+    }
+    (from..src.len())
+        .filter(|&q| src[q].is_ascii_digit() && (q == 0 || !is_number_byte(src[q - 1])))
+        .find_map(|q| {
+            let (e, digits) = number_at(src, q)?;
+            (digits == v).then_some((q, e))
+        })
+}
+
+/// Month names, for dates written with them.
+const MONTHS: [&str; 12] = [
+    "january", "february", "march", "april", "may", "june", "july", "august", "september",
+    "october", "november", "december",
+];
+
+/// The words of a date in the prompt from `q` on (up to `n`, on one line, apart by at
+/// most 3 delimiters): each word's number (a month name's number) and the span's end.
+fn date_words(src: &[u8], q: usize, n: usize) -> Option<(Vec<u64>, usize)> {
+    let mut vals = Vec::new();
+    let mut i = q;
+    while vals.len() < n {
+        if vals.is_empty() {
+            if !src.get(i)?.is_ascii_alphanumeric() {
+                return None;
+            }
+        } else {
+            let gap = src[i..]
+                .iter()
+                .take_while(|b| !b.is_ascii_alphanumeric() && **b != b'\n' && **b != SPECIAL)
+                .count();
+            if gap == 0 || gap > 3 {
+                return None;
+            }
+            i += gap;
+        }
+        let w = src[i..].iter().take_while(|b| b.is_ascii_alphanumeric()).count();
+        let word = &src[i..i + w];
+        let val = if word.iter().all(u8::is_ascii_digit) && w <= 4 {
+            std::str::from_utf8(word).ok()?.parse().ok()?
+        } else {
+            let lower = word.to_ascii_lowercase();
+            let m = MONTHS
+                .iter()
+                .position(|m| lower.len() >= 3 && m.as_bytes().starts_with(&lower))?;
+            m as u64 + 1
+        };
+        vals.push(val);
+        i += w;
+    }
+    Some((vals, i))
+}
+
+/// A value re-formatted from prompt words (a date: `3 March 2024` → `2024-03-03`): each
+/// number group of the output is one of the words, zero-padded to a width, between
+/// fixed separators.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct DateFormat {
+    /// Per output group: (the word it comes from, its width).
+    groups: Vec<(usize, usize)>,
+    /// The text before each group and after the last one.
+    seps: Vec<Vec<u8>>,
+}
+
+impl DateFormat {
+    /// The output `v` split into digit groups and separators (2 to 3 groups, no letters).
+    fn parse(v: &[u8]) -> Option<(Vec<(u64, usize)>, Vec<Vec<u8>>)> {
+        if v.iter().any(u8::is_ascii_alphabetic) || v.len() > 32 {
+            return None;
+        }
+        let mut groups = Vec::new();
+        let mut seps = vec![Vec::new()];
+        let mut i = 0;
+        while i < v.len() {
+            if v[i].is_ascii_digit() {
+                let w = v[i..].iter().take_while(|b| b.is_ascii_digit()).count();
+                let n = std::str::from_utf8(&v[i..i + w]).ok()?.parse().ok()?;
+                groups.push((n, w));
+                seps.push(Vec::new());
+                i += w;
+            } else {
+                seps.last_mut()?.push(v[i]);
+                i += 1;
+            }
+        }
+        (2..=3).contains(&groups.len()).then_some((groups, seps))
+    }
+
+    /// Where `v` is written otherwise in `src`: at the predicted place `at`, else the
+    /// first place after `after`; the span and the templates that explain it (a month
+    /// name's group first).
+    fn find(
+        src: &[u8],
+        at: Option<usize>,
+        after: usize,
+        v: &[u8],
+    ) -> Option<(usize, usize, Vec<DateFormat>)> {
+        let (groups, seps) = DateFormat::parse(v)?;
+        let n = groups.len();
+        let try_at = |q: usize| -> Option<(usize, usize, Vec<DateFormat>)> {
+            let (vals, end) = date_words(src, q, n)?;
+            let mut out = Vec::new();
+            for perm in permutations(n) {
+                if perm.iter().zip(&groups).all(|(&w, &(g, _))| vals[w] == g) {
+                    out.push(DateFormat {
+                        groups: perm.iter().zip(&groups).map(|(&w, &(_, wd))| (w, wd)).collect(),
+                        seps: seps.clone(),
+                    });
+                }
+            }
+            // A word that is a month name most likely fills the middle group.
+            let month_word = (0..n).find(|&k| word_is_month(src, q, k));
+            if let Some(m) = month_word {
+                out.sort_by_key(|f| usize::from(f.groups.get(1).map(|g| g.0) != Some(m)));
+            }
+            (!out.is_empty()).then_some((q, end, out))
+        };
+        if let Some(q) = at
+            && let Some(found) = try_at(q)
+        {
+            return Some(found);
+        }
+        let hi = (after + RESYNC).min(src.len());
+        (after..hi)
+            .filter(|&q| src[q].is_ascii_alphanumeric() && (q == 0 || !src[q - 1].is_ascii_alphanumeric()))
+            .find_map(try_at)
+    }
+
+    /// The value the prompt's words at `q` give.
+    fn apply(&self, src: &[u8], q: usize) -> Option<Vec<u8>> {
+        let (vals, _) = date_words(src, q, self.groups.len())?;
+        let mut out = self.seps[0].clone();
+        for (i, &(w, width)) in self.groups.iter().enumerate() {
+            out.extend(format!("{:0width$}", vals[w]).bytes());
+            out.extend_from_slice(&self.seps[i + 1]);
+        }
+        Some(out)
+    }
+
+    /// The length of the prompt words at `q`.
+    fn span(&self, src: &[u8], q: usize) -> Option<usize> {
+        date_words(src, q, self.groups.len()).map(|(_, e)| e - q)
+    }
+}
+
+/// Whether the `k`-th date word at `q` is a month name.
+fn word_is_month(src: &[u8], q: usize, k: usize) -> bool {
+    let mut i = q;
+    for j in 0..=k {
+        if j > 0 {
+            i += src[i..].iter().take_while(|b| !b.is_ascii_alphanumeric()).count();
+        }
+        let w = src[i..].iter().take_while(|b| b.is_ascii_alphanumeric()).count();
+        if j == k {
+            return src[i..i + w].iter().any(u8::is_ascii_alphabetic);
+        }
+        i += w;
+    }
+    false
+}
+
+/// The orders of `0..n` (n ≤ 3).
+fn permutations(n: usize) -> Vec<Vec<usize>> {
+    match n {
+        2 => vec![vec![0, 1], vec![1, 0]],
+        3 => vec![
+            vec![0, 1, 2],
+            vec![0, 2, 1],
+            vec![1, 0, 2],
+            vec![1, 2, 0],
+            vec![2, 0, 1],
+            vec![2, 1, 0],
+        ],
+        _ => vec![(0..n).collect()],
+    }
+}
+
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     if needle.is_empty() || needle.len() > hay.len() {
         return None;
@@ -774,6 +1002,18 @@ impl PromptTextDrafter {
         let q = unquoted(src, field);
         let quoted = q > field;
         let done = &st.buf;
+        if st.in_number || (at_value && st.numeric.contains(&key)) {
+            // The number there, thousands separators dropped (`1,234.50` → `1234.50`).
+            let (_, digits) = number_at(src, q)?;
+            let rest = digits.strip_prefix(done.as_slice())?;
+            return (!rest.is_empty() || !done.is_empty()).then(|| rest.to_vec());
+        }
+        if let Some(formats) = st.formats.get(&key) {
+            // A re-formatted value (a date): the first template that reads the prompt.
+            let text = formats.iter().find_map(|f| f.apply(src, q))?;
+            let rest = text.strip_prefix(done.as_slice())?;
+            return (!rest.is_empty() || !done.is_empty()).then(|| rest.to_vec());
+        }
         if st.in_literal || (at_value && st.literal.contains(&key)) {
             // The literal this prompt word was written as before.
             let lit = st.mapped.get(&(key, word_at(src, q).to_vec()))?;
@@ -807,18 +1047,12 @@ impl PromptTextDrafter {
         let hi = (start + MAX_VALUE).min(src.len());
         let window = &src[start..hi];
         // The right context, else its first byte (the last record), else the text's end.
-        // A quoted field ends at its closing quote, a number where it stops.
+        // A quoted field ends at its closing quote.
         let right = if quoted { b"\"".to_vec() } else { right };
-        let number_end = (st.in_number || (at_value && st.numeric.contains(&key)))
-            .then(|| window.iter().position(|&b| !is_number_byte(b)))
-            .flatten();
         let end = start
-            + number_end
-                .or_else(|| {
-                    right
-                        .first()
-                        .and_then(|&b0| find(window, &right).or_else(|| find(window, &[b0])))
-                })
+            + right
+                .first()
+                .and_then(|&b0| find(window, &right).or_else(|| find(window, &[b0])))
                 .or_else(|| window.iter().position(|&b| b == SPECIAL))
                 .unwrap_or(window.len());
         let text = &src[start..end];
@@ -834,7 +1068,7 @@ impl PromptTextDrafter {
     /// `st` is advanced over the text.
     fn draft_text(&self, st: &mut State) -> Vec<u8> {
         let mut text = Vec::new();
-        let mut push = |st: &mut State, part: &[u8], text: &mut Vec<u8>| {
+        let push = |st: &mut State, part: &[u8], text: &mut Vec<u8>| {
             for &b in part {
                 st.feed(&self.src, b);
             }
@@ -1159,6 +1393,35 @@ mod tests {
         ));
         d.observe(&toks);
         assert_eq!(draft(&mut d, &toks, prompt.len()), "Hub\",\"price\":39.50,\"ok\":true},{\"p\":\"");
+    }
+
+    #[test]
+    fn re_formatted_dates_and_numbers_are_drafted_by_the_mapping_a_record_showed() {
+        let tok = tokenizer();
+        let text = "Invoice INV-1 was issued on 3 March 2024 for a total of $1,234.50, due soon.\n\
+                    Invoice INV-2 was issued on 17 April 2024 for a total of $12,000.00, due soon.\n";
+        let prompt = enc(&tok, text);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(
+            &tok,
+            "[{\"id\":\"INV-1\",\"issued\":\"2024-03-03\",\"total\":1234.50},{\"id\":\"INV-2\",\
+             \"issued\":\"",
+        ));
+        d.observe(&toks);
+        // The date's words in the prompt, re-ordered and padded as the first record did;
+        // then the total without its separator.
+        let got = draft(&mut d, &toks, prompt.len());
+        assert!(
+            got.starts_with("2024-04-17\",\"total\":12000.00},{\"id\":\""),
+            "{got:?}"
+        );
+        // The parts of it.
+        assert_eq!(number_at(b"$1,234.50, due", 1), Some((9, b"1234.50".to_vec())));
+        assert_eq!(number_at(b"98500.50,2019", 0), Some((8, b"98500.50".to_vec())));
+        let (q, _, fs) = DateFormat::find(b"on 03/04/2025 x", None, 0, b"2025-03-04").expect("found");
+        assert_eq!(q, 3);
+        assert_eq!(fs[0].apply(b"on 11/12/2026 x", 3), Some(b"2026-11-12".to_vec()));
     }
 
     #[test]
