@@ -105,6 +105,9 @@ struct State {
     last_post: Option<Vec<u8>>,
     /// After a key, until its value starts: the bytes since the key's closing quote.
     post_buf: Option<Vec<u8>>,
+    /// Depth → the separator between a value and the next key in one object (`,` or
+    /// `,\n    ` after the closing quote).
+    seps: HashMap<usize, Vec<u8>>,
     /// Key path → the templates its values were re-formatted from the prompt by.
     formats: HashMap<Vec<u8>, Vec<DateFormat>>,
     /// Key paths whose last value was `true`, `false` or `null`.
@@ -191,8 +194,32 @@ impl State {
         if let Some(g) = self.gap.take()
             && g.bytes.len() <= MAX_GAP
         {
+            // Between two values of one object: the separator before the key.
+            let body = g.bytes.strip_prefix(b"\"").unwrap_or(&g.bytes);
+            if let Some(k) = body.iter().position(|&b| b == b'"')
+                && !body.iter().any(|b| b"{}[]".contains(b))
+            {
+                self.seps.insert(self.stack.len(), body[..k].to_vec());
+            }
             self.gaps.insert(g.after, g.bytes);
         }
+    }
+
+    /// The rest of an unknown gap up to the next key's opening quote, by the separator
+    /// between two values at this depth (a first record's `",\n    "`): the grammar
+    /// then forces the key.
+    fn sep_rest(&self) -> Option<Vec<u8>> {
+        let g = self.gap.as_ref()?;
+        let sep = self.seps.get(&self.stack.len())?;
+        let mut full = Vec::new();
+        if g.bytes.first() == Some(&b'"') {
+            full.push(b'"');
+        }
+        full.extend_from_slice(sep);
+        full.push(b'"');
+        full.strip_prefix(g.bytes.as_slice())
+            .filter(|r| !r.is_empty())
+            .map(<[u8]>::to_vec)
     }
 
     fn feed(&mut self, src: &[u8], b: u8) {
@@ -1086,6 +1113,10 @@ impl PromptTextDrafter {
                     // An unknown gap: from its key on, what follows keys.
                     .or_else(|| st.post_rest());
                 let Some(rest) = rest else {
+                    // Before the key: the separator, for the grammar to force the key.
+                    if let Some(sep) = st.sep_rest() {
+                        push(st, &sep, &mut text);
+                    }
                     break;
                 };
                 push(st, &rest, &mut text);
@@ -1133,6 +1164,11 @@ impl Drafter for PromptTextDrafter {
                 String::from_utf8_lossy(&dbg.buf),
                 String::from_utf8_lossy(&text)
             );
+            if std::env::var_os("PT_DEBUG_LOC").is_some() {
+                for l in &dbg.located {
+                    eprintln!("   {:?} {:?}", String::from_utf8_lossy(&l.key), String::from_utf8_lossy(&self.src[l.start..l.end]));
+                }
+            }
         }
         let text = match std::str::from_utf8(&text) {
             Ok(t) => t,
