@@ -1124,8 +1124,34 @@ impl PromptTextDrafter {
             let Some(value) = self.predict_text(st) else {
                 break;
             };
+            let key = st.key();
+            // Whether the value ends where predicted: a number, a mapped value, a key
+            // located before, or (a first record) a delimiter after the value before
+            // that is more than a space.
+            let sure_end = st.in_number
+                || st.numeric.contains(&key)
+                || st.literal.contains(&key)
+                || st.formats.contains_key(&key)
+                || st.located.iter().any(|l| l.key == key)
+                || st.located.last().is_some_and(|l| {
+                    right_context(&self.src, l.end, &[l])
+                        .iter()
+                        .any(|&b| b != b' ')
+                });
             push(st, &value, &mut text);
             let Some(gap) = st.gaps.get(&st.key()).cloned() else {
+                // No gap learned after this key yet (a first record): the value ends
+                // there and the separator at this depth follows, for the grammar to
+                // force the next key.
+                if sure_end && let Some(sep) = st.seps.get(&st.stack.len()).cloned() {
+                    let mut rest = Vec::new();
+                    if st.in_string {
+                        rest.push(b'"');
+                    }
+                    rest.extend_from_slice(&sep);
+                    rest.push(b'"');
+                    push(st, &rest, &mut text);
+                }
                 break;
             };
             push(st, &gap, &mut text);
@@ -1422,7 +1448,8 @@ mod tests {
         let mut d = PromptTextDrafter::new(tok.clone());
         let mut toks = prompt.clone();
         toks.extend(enc(&tok, "[{\"p\":\"Mouse\",\"price\":2"));
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "4.99");
+        // (Then the separator before the next key, as between the first two fields.)
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "4.99,\"");
         toks.extend(enc(
             &tok,
             "4.99,\"ok\":true},{\"p\":\"Keyboard\",\"price\":89.00,\"ok\":false},{\"p\":\"",
@@ -1513,11 +1540,18 @@ mod tests {
         };
         assert!(d.propose(&ctx, &mut Mirror::unconstrained()).is_empty());
         // Inside a key of the first record: the end of the key as keys ended so far, the
-        // field after the one before in the prompt, and no gap after it yet.
+        // field after the one before in the prompt (it ends at a `,`, so the separator
+        // between fields follows: the grammar forces the next key).
         let mut first = prompt.clone();
         first.extend(enc(&tok, "[{\"name\":\"Ada Lovelace\",\"ci"));
         let mut d = PromptTextDrafter::new(tok.clone());
-        assert_eq!(draft(&mut d, &first, prompt.len()), "\":\"London");
+        assert_eq!(draft(&mut d, &first, prompt.len()), "\":\"London\",\"");
+        // A field after a space-delimited one: its end is not sure, no separator.
+        let spaced = enc(&tok, "people:\nAda Lovelace London\n");
+        let mut first = spaced.clone();
+        first.extend(enc(&tok, "[{\"first\":\"Ada\",\"last\":\""));
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft(&mut d, &first, spaced.len()), "Lovelace");
         // Inside an object key before any value: nothing known.
         let mut d = PromptTextDrafter::new(tok.clone());
         assert_eq!(draft(&mut d, &enc(&tok, "[{\"na"), 0), "");
