@@ -1024,6 +1024,9 @@ impl PromptTextDrafter {
         if !(writing || st.in_number || st.in_literal || at_value) || st.escape {
             return None;
         }
+        if st.located.is_empty() && (writing || st.in_number) {
+            return self.first_value(&st.buf);
+        }
         let (field, from) = st.predict(&self.src, &key)?;
         let src = &self.src;
         let q = unquoted(src, field);
@@ -1087,6 +1090,37 @@ impl PromptTextDrafter {
             return None;
         }
         Some(text.to_vec())
+    }
+
+    /// The rest of the output's first value (nothing located yet) once it has begun:
+    /// the first word of the request's text (the longest part of the prompt between
+    /// special tokens, after the instructions) that starts with what was written, up to
+    /// a space or a delimiter.
+    fn first_value(&self, done: &[u8]) -> Option<Vec<u8>> {
+        if done.is_empty() {
+            return None;
+        }
+        let src = &self.src;
+        let mut lo = 0;
+        let mut best = (0, 0);
+        for (i, &b) in src.iter().enumerate().chain(std::iter::once((src.len(), &SPECIAL))) {
+            if b == SPECIAL {
+                if i - lo > best.1 - best.0 {
+                    best = (lo, i);
+                }
+                lo = i + 1;
+            }
+        }
+        let (lo, hi) = best;
+        let at = (lo..hi).find(|&q| {
+            src[q..hi].starts_with(done) && (q == lo || !is_value_byte(src[q - 1]))
+        })?;
+        let start = at + done.len();
+        let n = src[start..hi]
+            .iter()
+            .take_while(|&&b| is_value_byte(b) || b"-:./@+_".contains(&b))
+            .count();
+        (n > 0).then(|| src[start..start + n].to_vec())
     }
 
     /// The text the output continues with: the rest of the value being written (from
@@ -1233,7 +1267,8 @@ mod tests {
     use super::*;
     use sampling::{SamplingParams, TokenMask};
 
-    /// A byte-level tokenizer (one token per byte), so text and tokens map one to one.
+    /// A byte-level tokenizer (one token per byte), so text and tokens map one to one;
+    /// byte 0 is a control token (it stands for the chat template's markers).
     fn tokenizer() -> Arc<Tokenizer> {
         let printable = |b: u8| matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
         let tokens: Vec<String> = (0..=255u8)
@@ -1246,11 +1281,13 @@ mod tests {
                 }
             })
             .collect();
+        let types: Vec<i32> = (0..256).map(|i| if i == 0 { 3 } else { 1 }).collect();
         Arc::new(
             Tokenizer::from_spec(&text::VocabSpec {
                 model: "gpt2",
                 pre: "qwen2",
                 tokens: &tokens,
+                token_types: &types,
                 merges: &[],
                 ..text::VocabSpec::default()
             })
@@ -1485,6 +1522,28 @@ mod tests {
         let (q, _, fs) = DateFormat::find(b"on 03/04/2025 x", None, 0, b"2025-03-04").expect("found");
         assert_eq!(q, 3);
         assert_eq!(fs[0].apply(b"on 11/12/2026 x", 3), Some(b"2026-11-12".to_vec()));
+    }
+
+    #[test]
+    fn the_first_value_continues_the_first_word_of_the_request_it_starts() {
+        let tok = tokenizer();
+        // Special tokens around the request (byte 0 stands for one here).
+        let mut prompt = enc(&tok, "system: be exact 2");
+        prompt.push(0);
+        prompt.extend(enc(
+            &tok,
+            "Turn each line into JSON (timestamp, level):\n\
+             2024-05-01T12:00:03Z INFO started\n2024-05-01T12:00:04Z WARN slow\n",
+        ));
+        prompt.push(0);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(&tok, "[{\"timestamp\":\"2"));
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "024-05-01T12:00:03Z");
+        // Nothing written yet: nothing to go by.
+        let mut toks = prompt.clone();
+        toks.extend(enc(&tok, "[{\"timestamp\":\""));
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "");
     }
 
     #[test]
