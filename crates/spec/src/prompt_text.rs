@@ -1,20 +1,35 @@
 //! Drafts for structured output from the prompt text, by the record layout learned per
-//! JSON key.
+//! JSON key path.
 //!
 //! Extraction (CSV, log lines, `key: value` text, an HTML table to JSON) writes the
 //! prompt's values in order while the grammar writes the syntax. The [`PromptTextDrafter`]
 //! follows the output with a small JSON scanner and, each time a value is complete, finds
-//! it in the prompt text (a *location*). Per key it learns the value's left context (the
-//! bytes before it in the prompt, common to its locations: `,"` in CSV, `\nEmail: `, `>`
-//! in a table) and its right context, and per pair of consecutive located keys how many
-//! left contexts lie between the end of the first value and the start of the second (a
-//! *relation*). When the output opens a value of key `K`, the value is predicted from the
-//! most recent location: after the end of that value, the `n`-th occurrence of `K`'s left
-//! context starts it and its right context ends it (with no relation from that key, the
-//! relation of `K` to its own previous value is used). The text is re-encoded on its own,
-//! which is how a model writes a value it copies, and every token passes the grammar
-//! mirror. It drafts only under a constraint, inside JSON: free text is the other
-//! drafters' business.
+//! it in the prompt text (a *location*). Keys are paths (`items/product`: a nested
+//! record's fields are not the outer record's). Per key it learns the value's left context
+//! (the bytes before it in the prompt, common to its locations: `,"` in CSV, `\nEmail: `,
+//! `>` in a table; a first location's line start when other lines start alike) and its
+//! right context, and per pair of consecutive located keys how many left contexts lie
+//! between the end of the first value and the start of the second (a *relation*), or
+//! where inside the value before it the second sits (`took 842ms` → 842). When the output
+//! opens a value of key `K`, the value is predicted from the most recent location: after
+//! the end of that value, the `n`-th occurrence of `K`'s left context starts it and its
+//! right context ends it (a quoted CSV field: its closing quote; a number: where it stops).
+//!
+//! Values the prompt writes otherwise are drafted by the mapping an earlier record showed:
+//! numbers without thousands separators (`$1,234.50` → `1234.50`), dates re-ordered and
+//! padded from their words (`3 March 2024` → `2024-03-03`), and `true`/`false`/`null` for
+//! the prompt word they stood for (`yes` → `true`).
+//!
+//! A draft runs on past the value: the scanner also keeps, per key path, the output
+//! between the end of its value and the start of the next (the *gap*: closing quote,
+//! separators, indentation, the next key, the next value's opening quote, as the model
+//! wrote them in the previous record), so one proposal chains value, gap, value, … through
+//! a whole record. In a first record (no gap learned yet) it drafts what followed keys so
+//! far (`": "`) and, where a value's end is sure, the separator before the next key (the
+//! grammar forces the key). The output's first value continues the first word of the
+//! request that starts with what was written. The text is re-encoded on its own, which is
+//! how a model writes what it copies, and every token passes the grammar mirror. It
+//! drafts only under a constraint, inside JSON: free text is the other drafters' business.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -156,12 +171,7 @@ impl State {
     /// The rest of the syntax up to the value of the key being written (inside the key
     /// or after it): what followed this key last time, else what followed the last key.
     fn post_rest(&self) -> Option<Vec<u8>> {
-        let learned = |path: &[u8]| {
-            self.post
-                .get(path)
-                .or(self.last_post.as_ref())
-                .cloned()
-        };
+        let learned = |path: &[u8]| self.post.get(path).or(self.last_post.as_ref()).cloned();
         if self.in_string && self.string_is_key {
             let mut path = Vec::new();
             let n = self.stack.iter().filter(|f| f.object).count();
@@ -416,10 +426,7 @@ impl State {
             return Some(p);
         }
         let known = by_pair.or_else(by_self).or_else(next);
-        if known.is_none()
-            && !self.written.contains(key)
-            && src[..last.start].ends_with(b"\n")
-        {
+        if known.is_none() && !self.written.contains(key) && src[..last.start].ends_with(b"\n") {
             // A first record's field after one that starts a line: after the delimiters
             // that follow the value before (`,` in CSV).
             let n = src[last.end..]
@@ -553,7 +560,12 @@ impl State {
             .filter(|l| l.key == key)
             .take(KEEP - 1)
             .collect();
-        let left = left_context(src, start, &own, Some(self.located.last().map_or(0, |l| l.end)));
+        let left = left_context(
+            src,
+            start,
+            &own,
+            Some(self.located.last().map_or(0, |l| l.end)),
+        );
         if let Some(p) = self.located.last()
             && p.start <= start
             && end < p.end
@@ -610,9 +622,11 @@ fn left_context(src: &[u8], start: usize, own: &[&Located], floor: Option<usize>
             .iter()
             .rposition(|&b| b == b'\n')
             .map(|p| mine.len() - p)
-            .filter(|&n| floor.is_some_and(|f| start - n >= f) && {
-                let pat = &mine[mine.len() - n..];
-                src.windows(n).filter(|w| *w == pat).take(2).count() == 2
+            .filter(|&n| {
+                floor.is_some_and(|f| start - n >= f) && {
+                    let pat = &mine[mine.len() - n..];
+                    src.windows(n).filter(|w| *w == pat).take(2).count() == 2
+                }
             });
         line.unwrap_or_else(|| {
             mine.iter()
@@ -716,7 +730,9 @@ fn nth_after(src: &[u8], from: usize, left: &[u8], n: usize) -> Option<usize> {
 /// The first occurrence of `v` in `src` from `from` on that stands on its own: a number
 /// not inside a longer number, other text not inside a word.
 fn find_bounded(src: &[u8], from: usize, v: &[u8]) -> Option<usize> {
-    let numeric = v.iter().all(|b| b.is_ascii_digit() || matches!(b, b'.' | b'-'));
+    let numeric = v
+        .iter()
+        .all(|b| b.is_ascii_digit() || matches!(b, b'.' | b'-'));
     let inner = |b: u8| {
         if numeric {
             b.is_ascii_digit()
@@ -782,8 +798,18 @@ fn find_number(src: &[u8], from: usize, v: &[u8]) -> Option<(usize, usize)> {
 
 /// Month names, for dates written with them.
 const MONTHS: [&str; 12] = [
-    "january", "february", "march", "april", "may", "june", "july", "august", "september",
-    "october", "november", "december",
+    "january",
+    "february",
+    "march",
+    "april",
+    "may",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
 ];
 
 /// The words of a date in the prompt from `q` on (up to `n`, on one line, apart by at
@@ -806,7 +832,10 @@ fn date_words(src: &[u8], q: usize, n: usize) -> Option<(Vec<u64>, usize)> {
             }
             i += gap;
         }
-        let w = src[i..].iter().take_while(|b| b.is_ascii_alphanumeric()).count();
+        let w = src[i..]
+            .iter()
+            .take_while(|b| b.is_ascii_alphanumeric())
+            .count();
         let word = &src[i..i + w];
         let val = if word.iter().all(u8::is_ascii_digit) && w <= 4 {
             std::str::from_utf8(word).ok()?.parse().ok()?
@@ -823,6 +852,9 @@ fn date_words(src: &[u8], q: usize, n: usize) -> Option<(Vec<u64>, usize)> {
     Some((vals, i))
 }
 
+/// An output date's number groups (value, width) and the separators around them.
+type DateParts = (Vec<(u64, usize)>, Vec<Vec<u8>>);
+
 /// A value re-formatted from prompt words (a date: `3 March 2024` → `2024-03-03`): each
 /// number group of the output is one of the words, zero-padded to a width, between
 /// fixed separators.
@@ -836,7 +868,7 @@ struct DateFormat {
 
 impl DateFormat {
     /// The output `v` split into digit groups and separators (2 to 3 groups, no letters).
-    fn parse(v: &[u8]) -> Option<(Vec<(u64, usize)>, Vec<Vec<u8>>)> {
+    fn parse(v: &[u8]) -> Option<DateParts> {
         if v.iter().any(u8::is_ascii_alphabetic) || v.len() > 32 {
             return None;
         }
@@ -875,7 +907,11 @@ impl DateFormat {
             for perm in permutations(n) {
                 if perm.iter().zip(&groups).all(|(&w, &(g, _))| vals[w] == g) {
                     out.push(DateFormat {
-                        groups: perm.iter().zip(&groups).map(|(&w, &(_, wd))| (w, wd)).collect(),
+                        groups: perm
+                            .iter()
+                            .zip(&groups)
+                            .map(|(&w, &(_, wd))| (w, wd))
+                            .collect(),
                         seps: seps.clone(),
                     });
                 }
@@ -894,7 +930,9 @@ impl DateFormat {
         }
         let hi = (after + RESYNC).min(src.len());
         (after..hi)
-            .filter(|&q| src[q].is_ascii_alphanumeric() && (q == 0 || !src[q - 1].is_ascii_alphanumeric()))
+            .filter(|&q| {
+                src[q].is_ascii_alphanumeric() && (q == 0 || !src[q - 1].is_ascii_alphanumeric())
+            })
             .find_map(try_at)
     }
 
@@ -920,9 +958,15 @@ fn word_is_month(src: &[u8], q: usize, k: usize) -> bool {
     let mut i = q;
     for j in 0..=k {
         if j > 0 {
-            i += src[i..].iter().take_while(|b| !b.is_ascii_alphanumeric()).count();
+            i += src[i..]
+                .iter()
+                .take_while(|b| !b.is_ascii_alphanumeric())
+                .count();
         }
-        let w = src[i..].iter().take_while(|b| b.is_ascii_alphanumeric()).count();
+        let w = src[i..]
+            .iter()
+            .take_while(|b| b.is_ascii_alphanumeric())
+            .count();
         if j == k {
             return src[i..i + w].iter().any(u8::is_ascii_alphabetic);
         }
@@ -1103,7 +1147,11 @@ impl PromptTextDrafter {
         let src = &self.src;
         let mut lo = 0;
         let mut best = (0, 0);
-        for (i, &b) in src.iter().enumerate().chain(std::iter::once((src.len(), &SPECIAL))) {
+        for (i, &b) in src
+            .iter()
+            .enumerate()
+            .chain(std::iter::once((src.len(), &SPECIAL)))
+        {
             if b == SPECIAL {
                 if i - lo > best.1 - best.0 {
                     best = (lo, i);
@@ -1112,9 +1160,8 @@ impl PromptTextDrafter {
             }
         }
         let (lo, hi) = best;
-        let at = (lo..hi).find(|&q| {
-            src[q..hi].starts_with(done) && (q == lo || !is_value_byte(src[q - 1]))
-        })?;
+        let at = (lo..hi)
+            .find(|&q| src[q..hi].starts_with(done) && (q == lo || !is_value_byte(src[q - 1])))?;
         let start = at + done.len();
         let n = src[start..hi]
             .iter()
@@ -1213,23 +1260,6 @@ impl Drafter for PromptTextDrafter {
         let mut st = self.state.clone();
         self.advance(&mut st, &ctx.tokens[self.seen.min(ctx.tokens.len())..]);
         let text = self.draft_text(&mut st);
-        if std::env::var_os("PT_DEBUG").is_some() {
-            let mut dbg = self.state.clone();
-            self.advance(&mut dbg, &ctx.tokens[self.seen.min(ctx.tokens.len())..]);
-            eprintln!(
-                "PT pos={} key={:?} gap={:?} buf={:?} draft={:?}",
-                ctx.tokens.len(),
-                String::from_utf8_lossy(&dbg.key()),
-                dbg.gap.as_ref().map(|g| String::from_utf8_lossy(&g.bytes).to_string()),
-                String::from_utf8_lossy(&dbg.buf),
-                String::from_utf8_lossy(&text)
-            );
-            if std::env::var_os("PT_DEBUG_LOC").is_some() {
-                for l in &dbg.located {
-                    eprintln!("   {:?} {:?}", String::from_utf8_lossy(&l.key), String::from_utf8_lossy(&self.src[l.start..l.end]));
-                }
-            }
-        }
         let text = match std::str::from_utf8(&text) {
             Ok(t) => t,
             // Cut inside a character: the valid part.
@@ -1378,7 +1408,10 @@ mod tests {
         assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "Wilmslow");
         toks.extend(enc(&tok, "Wilmslow\",\"email\":\""));
         d.observe(&toks);
-        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "alan@example.org");
+        assert_eq!(
+            value(&draft(&mut d, &toks, prompt.len())),
+            "alan@example.org"
+        );
         // Partly written: the rest of the value.
         toks.extend(enc(&tok, "alan@"));
         assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "example.org");
@@ -1492,7 +1525,10 @@ mod tests {
             "4.99,\"ok\":true},{\"p\":\"Keyboard\",\"price\":89.00,\"ok\":false},{\"p\":\"",
         ));
         d.observe(&toks);
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "Hub\",\"price\":39.50,\"ok\":true},{\"p\":\"");
+        assert_eq!(
+            draft(&mut d, &toks, prompt.len()),
+            "Hub\",\"price\":39.50,\"ok\":true},{\"p\":\""
+        );
     }
 
     #[test]
@@ -1517,11 +1553,21 @@ mod tests {
             "{got:?}"
         );
         // The parts of it.
-        assert_eq!(number_at(b"$1,234.50, due", 1), Some((9, b"1234.50".to_vec())));
-        assert_eq!(number_at(b"98500.50,2019", 0), Some((8, b"98500.50".to_vec())));
-        let (q, _, fs) = DateFormat::find(b"on 03/04/2025 x", None, 0, b"2025-03-04").expect("found");
+        assert_eq!(
+            number_at(b"$1,234.50, due", 1),
+            Some((9, b"1234.50".to_vec()))
+        );
+        assert_eq!(
+            number_at(b"98500.50,2019", 0),
+            Some((8, b"98500.50".to_vec()))
+        );
+        let (q, _, fs) =
+            DateFormat::find(b"on 03/04/2025 x", None, 0, b"2025-03-04").expect("found");
         assert_eq!(q, 3);
-        assert_eq!(fs[0].apply(b"on 11/12/2026 x", 3), Some(b"2026-11-12".to_vec()));
+        assert_eq!(
+            fs[0].apply(b"on 11/12/2026 x", 3),
+            Some(b"2026-11-12".to_vec())
+        );
     }
 
     #[test]
@@ -1629,7 +1675,10 @@ mod tests {
         }
         assert_eq!(st.key(), b"a/d");
         // Values and the gaps between them: `1` (path `a/b`) was followed by `,{"c":"`.
-        assert_eq!(st.gaps.get(b"a/b".as_slice()), Some(&b",{\"c\":\"".to_vec()));
+        assert_eq!(
+            st.gaps.get(b"a/b".as_slice()),
+            Some(&b",{\"c\":\"".to_vec())
+        );
         // The gap after `x` is still open.
         assert_eq!(
             st.gap,
