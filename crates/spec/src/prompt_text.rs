@@ -64,11 +64,9 @@ fn is_value_byte(b: u8) -> bool {
 
 /// The word (value bytes) at `q`.
 fn word_at(src: &[u8], q: usize) -> &[u8] {
-    let n = src[q.min(src.len())..]
-        .iter()
-        .take_while(|&&b| is_value_byte(b))
-        .count();
-    &src[q..q + n]
+    let rest = &src[q.min(src.len())..];
+    let n = rest.iter().take_while(|&&b| is_value_byte(b)).count();
+    &rest[..n]
 }
 
 /// A byte of a plain number (`-12.50`).
