@@ -1369,7 +1369,7 @@ mod tests {
         let mut m = Mirror::new(&mut g, 256);
         let p = d.propose(&ctx, &mut m);
         let b: Vec<u8> = p.tokens.iter().map(|&t| t as u8).collect();
-        String::from_utf8(b).expect("utf-8")
+        String::from_utf8_lossy(&b).into_owned()
     }
 
     /// A draft's first value: the text up to its closing quote.
@@ -1588,6 +1588,36 @@ mod tests {
         let mut toks = prompt.clone();
         toks.extend(enc(&tok, "[{\"timestamp\":\""));
         assert_eq!(draft(&mut d, &toks, prompt.len()), "");
+    }
+
+    #[test]
+    fn arbitrary_prompts_and_outputs_never_panic() {
+        // Prompt and output bytes drawn from JSON syntax, delimiters, digits, letters,
+        // quotes and a special token; the drafter proposes after every output token.
+        let tok = tokenizer();
+        let alphabet = b"{}[]\":,. -+$/\\\n0123456789aetrunfls yesnoMarch\x00\xc3\xa9";
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        for _ in 0..400 {
+            let plen = next(200);
+            let prompt: Vec<u32> = (0..plen)
+                .map(|_| u32::from(alphabet[next(alphabet.len())]))
+                .collect();
+            let mut d = PromptTextDrafter::new(tok.clone());
+            let mut toks = prompt.clone();
+            for _ in 0..next(150) {
+                toks.push(u32::from(alphabet[next(alphabet.len())]));
+                let _ = draft(&mut d, &toks, prompt.len());
+                if next(3) == 0 {
+                    d.observe(&toks);
+                }
+            }
+        }
     }
 
     #[test]
