@@ -1,22 +1,37 @@
 //! Drafts for structured output from the prompt text, by the record layout learned per
-//! JSON key.
+//! JSON key path.
 //!
 //! Extraction (CSV, log lines, `key: value` text, an HTML table to JSON) writes the
 //! prompt's values in order while the grammar writes the syntax. The [`PromptTextDrafter`]
 //! follows the output with a small JSON scanner and, each time a value is complete, finds
-//! it in the prompt text (a *location*). Per key it learns the value's left context (the
-//! bytes before it in the prompt, common to its locations: `,"` in CSV, `\nEmail: `, `>`
-//! in a table) and its right context, and per pair of consecutive located keys how many
-//! left contexts lie between the end of the first value and the start of the second (a
-//! *relation*). When the output opens a value of key `K`, the value is predicted from the
-//! most recent location: after the end of that value, the `n`-th occurrence of `K`'s left
-//! context starts it and its right context ends it (with no relation from that key, the
-//! relation of `K` to its own previous value is used). The text is re-encoded on its own,
-//! which is how a model writes a value it copies, and every token passes the grammar
-//! mirror. It drafts only under a constraint, inside JSON: free text is the other
-//! drafters' business.
+//! it in the prompt text (a *location*). Keys are paths (`items/product`: a nested
+//! record's fields are not the outer record's). Per key it learns the value's left context
+//! (the bytes before it in the prompt, common to its locations: `,"` in CSV, `\nEmail: `,
+//! `>` in a table; a first location's line start when other lines start alike) and its
+//! right context, and per pair of consecutive located keys how many left contexts lie
+//! between the end of the first value and the start of the second (a *relation*), or
+//! where inside the value before it the second sits (`took 842ms` → 842). When the output
+//! opens a value of key `K`, the value is predicted from the most recent location: after
+//! the end of that value, the `n`-th occurrence of `K`'s left context starts it and its
+//! right context ends it (a quoted CSV field: its closing quote; a number: where it stops).
+//!
+//! Values the prompt writes otherwise are drafted by the mapping an earlier record showed:
+//! numbers without thousands separators (`$1,234.50` → `1234.50`), dates re-ordered and
+//! padded from their words (`3 March 2024` → `2024-03-03`), and `true`/`false`/`null` for
+//! the prompt word they stood for (`yes` → `true`).
+//!
+//! A draft runs on past the value: the scanner also keeps, per key path, the output
+//! between the end of its value and the start of the next (the *gap*: closing quote,
+//! separators, indentation, the next key, the next value's opening quote, as the model
+//! wrote them in the previous record), so one proposal chains value, gap, value, … through
+//! a whole record. In a first record (no gap learned yet) it drafts what followed keys so
+//! far (`": "`) and, where a value's end is sure, the separator before the next key (the
+//! grammar forces the key). The output's first value continues the first word of the
+//! request that starts with what was written. The text is re-encoded on its own, which is
+//! how a model writes what it copies, and every token passes the grammar mirror. It
+//! drafts only under a constraint, inside JSON: free text is the other drafters' business.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use text::{EncodeOptions, Tokenizer};
@@ -35,9 +50,28 @@ const MIN_LOCATED: usize = 2;
 const KEEP: usize = 3;
 /// Most bytes searched ahead of the reference point for a partly written value.
 const RESYNC: usize = 512;
+/// Longest syntax gap between two values kept (pretty-printed closings of nested records
+/// included).
+const MAX_GAP: usize = 96;
+/// Most values and gaps chained into one proposal.
+const MAX_PARTS: usize = 16;
+/// Most text bytes drafted per proposal (the caps cut it to tokens).
+const MAX_TEXT: usize = 256;
 
 fn is_value_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || (b >= 0x80 && b != SPECIAL)
+}
+
+/// The word (value bytes) at `q`.
+fn word_at(src: &[u8], q: usize) -> &[u8] {
+    let rest = &src[q.min(src.len())..];
+    let n = rest.iter().take_while(|&&b| is_value_byte(b)).count();
+    &rest[..n]
+}
+
+/// A byte of a plain number (`-12.50`).
+fn is_number_byte(b: u8) -> bool {
+    b.is_ascii_digit() || matches!(b, b'.' | b'-')
 }
 
 /// A JSON container being written.
@@ -73,38 +107,143 @@ struct State {
     located: Vec<Located>,
     /// (previous key, key) → (left context, occurrences from the previous value's end).
     relations: HashMap<KeyPair, (Vec<u8>, usize)>,
+    /// (previous key, key) → the bytes after the key's value to the end of the previous
+    /// value, when the key's value was found inside it.
+    inside: HashMap<KeyPair, Vec<u8>>,
+    /// Key paths whose last value was a number.
+    numeric: HashSet<Vec<u8>>,
+    /// Key path → the bytes between its key's closing quote and its value (`": "`).
+    post: HashMap<Vec<u8>, Vec<u8>>,
+    /// The bytes between the last key and its value.
+    last_post: Option<Vec<u8>>,
+    /// After a key, until its value starts: the bytes since the key's closing quote.
+    post_buf: Option<Vec<u8>>,
+    /// Depth → the separator between a value and the next key in one object (`,` or
+    /// `,\n    ` after the closing quote).
+    seps: HashMap<usize, Vec<u8>>,
+    /// Key path → the templates its values were re-formatted from the prompt by.
+    formats: HashMap<Vec<u8>, Vec<DateFormat>>,
+    /// Key paths whose last value was `true`, `false` or `null`.
+    literal: HashSet<Vec<u8>>,
+    /// (key path, prompt word) → the literal written for it.
+    mapped: HashMap<KeyPair, Vec<u8>>,
+    /// Key paths with a value written (located or not).
+    written: HashSet<Vec<u8>>,
+    /// Writing `true`, `false` or `null`.
+    in_literal: bool,
+    /// Between two values: the key path of the value before and the output bytes since
+    /// it ended (its closing quote, separators, the next key, the next value's opening
+    /// quote).
+    gap: Option<Gap>,
+    /// Key path → the gap that followed its value the last time (the record's syntax up
+    /// to the next value, as the model wrote it).
+    gaps: HashMap<Vec<u8>, Vec<u8>>,
+}
+
+/// The output between the end of one value and the start of the next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Gap {
+    /// Key path of the value before.
+    after: Vec<u8>,
+    /// Bytes since it ended.
+    bytes: Vec<u8>,
 }
 
 /// (previous key, key) of a relation.
 type KeyPair = (Vec<u8>, Vec<u8>);
 
 impl State {
+    /// The key path of the value being written: the keys of the enclosing objects,
+    /// joined by `/` (a nested record's `name` is not the outer record's).
     fn key(&self) -> Vec<u8> {
-        self.stack.last().map(|f| f.key.clone()).unwrap_or_default()
+        let mut path = Vec::new();
+        for f in self.stack.iter().filter(|f| f.object) {
+            if !path.is_empty() {
+                path.push(b'/');
+            }
+            path.extend_from_slice(&f.key);
+        }
+        path
+    }
+
+    /// The rest of the syntax up to the value of the key being written (inside the key
+    /// or after it): what followed this key last time, else what followed the last key.
+    fn post_rest(&self) -> Option<Vec<u8>> {
+        let learned = |path: &[u8]| self.post.get(path).or(self.last_post.as_ref()).cloned();
+        if self.in_string && self.string_is_key {
+            let mut path = Vec::new();
+            let n = self.stack.iter().filter(|f| f.object).count();
+            for (i, f) in self.stack.iter().filter(|f| f.object).enumerate() {
+                if i > 0 {
+                    path.push(b'/');
+                }
+                path.extend_from_slice(if i + 1 == n { &self.buf } else { &f.key });
+            }
+            let mut rest = vec![b'"'];
+            rest.extend(learned(&path)?);
+            return Some(rest);
+        }
+        let done = self.post_buf.as_ref()?;
+        learned(&self.key())?
+            .strip_prefix(done.as_slice())
+            .map(<[u8]>::to_vec)
+    }
+
+    /// A value ended: the gap after it starts.
+    fn end_value(&mut self) {
+        self.gap = Some(Gap {
+            after: self.key(),
+            bytes: Vec::new(),
+        });
+    }
+
+    /// A value starts: the gap before it (if any) is learned for the value before.
+    fn start_value(&mut self) {
+        if let Some(g) = self.gap.take()
+            && g.bytes.len() <= MAX_GAP
+        {
+            // Between two values of one object: the separator before the key.
+            let body = g.bytes.strip_prefix(b"\"").unwrap_or(&g.bytes);
+            if let Some(k) = body.iter().position(|&b| b == b'"')
+                && !body.iter().any(|b| b"{}[]".contains(b))
+            {
+                self.seps.insert(self.stack.len(), body[..k].to_vec());
+            }
+            self.gaps.insert(g.after, g.bytes);
+        }
+    }
+
+    /// The rest of an unknown gap up to the next key's opening quote, by the separator
+    /// between two values at this depth (a first record's `",\n    "`): the grammar
+    /// then forces the key.
+    fn sep_rest(&self) -> Option<Vec<u8>> {
+        let g = self.gap.as_ref()?;
+        let sep = self.seps.get(&self.stack.len())?;
+        let mut full = Vec::new();
+        if g.bytes.first() == Some(&b'"') {
+            full.push(b'"');
+        }
+        full.extend_from_slice(sep);
+        full.push(b'"');
+        full.strip_prefix(g.bytes.as_slice())
+            .filter(|r| !r.is_empty())
+            .map(<[u8]>::to_vec)
     }
 
     fn feed(&mut self, src: &[u8], b: u8) {
-        if self.in_string {
-            if self.escape {
-                self.escape = false;
-                self.buf.push(b);
-            } else if b == b'\\' {
-                self.escape = true;
-                self.buf.push(b);
-            } else if b == b'"' {
-                self.in_string = false;
-                if self.string_is_key {
-                    if let Some(f) = self.stack.last_mut() {
-                        f.key = std::mem::take(&mut self.buf);
-                    }
-                } else {
-                    let v = std::mem::take(&mut self.buf);
-                    self.complete(src, &v);
-                }
-            } else {
-                self.buf.push(b);
-            }
+        if self.in_string && !self.string_is_key {
+            self.feed_value_string(src, b);
             return;
+        }
+        if self.in_literal {
+            if b.is_ascii_lowercase() {
+                self.buf.push(b);
+                return;
+            }
+            self.in_literal = false;
+            let v = std::mem::take(&mut self.buf);
+            self.complete_literal(src, v);
+            self.end_value();
         }
         if self.in_number {
             if b.is_ascii_digit() || matches!(b, b'.' | b'-' | b'+' | b'e' | b'E') {
@@ -113,7 +252,52 @@ impl State {
             }
             self.in_number = false;
             let v = std::mem::take(&mut self.buf);
+            self.numeric.insert(self.key());
             self.complete(src, &v);
+            self.end_value();
+        }
+        let value_string = b == b'"'
+            && !self.in_string
+            && !(self.expect_key && self.stack.last().is_some_and(|f| f.object));
+        let starts = (b == b'-' || b.is_ascii_digit() || b.is_ascii_lowercase())
+            && !self.in_string
+            && !self.expect_key
+            && !self.stack.is_empty();
+        if !starts {
+            if let Some(g) = self.gap.as_mut() {
+                g.bytes.push(b);
+            }
+            if let Some(p) = self.post_buf.as_mut() {
+                p.push(b);
+            }
+        }
+        if starts || value_string {
+            self.start_value();
+            if let Some(p) = self.post_buf.take()
+                && p.len() <= MAX_CONTEXT
+            {
+                self.post.insert(self.key(), p.clone());
+                self.last_post = Some(p);
+            }
+        }
+        if self.in_string {
+            // A key.
+            if self.escape {
+                self.escape = false;
+                self.buf.push(b);
+            } else if b == b'\\' {
+                self.escape = true;
+                self.buf.push(b);
+            } else if b == b'"' {
+                self.in_string = false;
+                if let Some(f) = self.stack.last_mut() {
+                    f.key = std::mem::take(&mut self.buf);
+                }
+                self.post_buf = Some(Vec::new());
+            } else {
+                self.buf.push(b);
+            }
+            return;
         }
         if self.stack.is_empty() && b != b'{' && b != b'[' {
             return; // text around the JSON
@@ -143,7 +327,34 @@ impl State {
                 self.buf.clear();
                 self.buf.push(b);
             }
+            b'a'..=b'z' if !self.expect_key => {
+                self.in_literal = true;
+                self.buf.clear();
+                self.buf.push(b);
+            }
             _ => {}
+        }
+    }
+
+    /// A byte inside a string value.
+    fn feed_value_string(&mut self, src: &[u8], b: u8) {
+        if self.escape {
+            self.escape = false;
+            self.buf.push(b);
+        } else if b == b'\\' {
+            self.escape = true;
+            self.buf.push(b);
+        } else if b == b'"' {
+            self.in_string = false;
+            let v = std::mem::take(&mut self.buf);
+            self.numeric.remove(&self.key());
+            self.complete(src, &v);
+            self.end_value();
+            if let Some(g) = self.gap.as_mut() {
+                g.bytes.push(b);
+            }
+        } else {
+            self.buf.push(b);
         }
     }
 
@@ -171,13 +382,13 @@ impl State {
                 .take(KEEP)
                 .collect();
             let (first, rest) = own.split_first()?;
-            let left = left_context(src, first.start, rest);
+            let left = left_context(src, first.start, rest, self.floor(first));
             Some((last.end, left, 1))
         };
         // A key never located yet (the first record): the next field, by the left
         // context of the value before it.
         let next_field = || {
-            if self.located.iter().any(|l| l.key == key) {
+            if self.written.contains(key) {
                 return None;
             }
             let own: Vec<&Located> = self
@@ -188,31 +399,157 @@ impl State {
                 .take(KEEP)
                 .collect();
             let (first, rest) = own.split_first()?;
-            Some((last.end, left_context(src, first.start, rest), 1))
+            let left = left_context(src, first.start, rest, None);
+            Some((last.end, left, 1))
         };
-        let (from, left, n) = by_pair.or_else(by_self).or_else(next).or_else(next_field)?;
-        nth_after(src, from, &left, n).map(|q| (q, from))
+        // Inside the value before, at the same distance from its end (`took 842ms`: the
+        // duration before `ms`).
+        let inside = || {
+            let tail = self.inside.get(&(last.key.clone(), key.to_vec()))?;
+            let span = &src[last.start..last.end];
+            if !span.ends_with(tail) {
+                return None;
+            }
+            let end = last.end - tail.len();
+            let numeric = self.numeric.contains(key);
+            let mut q = end;
+            while q > last.start
+                && (is_value_byte(src[q - 1]) && (!numeric || is_number_byte(src[q - 1])))
+            {
+                q -= 1;
+            }
+            (q < end).then_some((q, last.start))
+        };
+        if let Some(p) = inside() {
+            return Some(p);
+        }
+        let known = by_pair.or_else(by_self).or_else(next);
+        if known.is_none() && !self.written.contains(key) && src[..last.start].ends_with(b"\n") {
+            // A first record's field after one that starts a line: after the delimiters
+            // that follow the value before (`,` in CSV).
+            let n = src[last.end..]
+                .iter()
+                .take_while(|&&b| !is_value_byte(b) && b != SPECIAL && b != b'\n')
+                .count();
+            return (n > 0).then_some((last.end + n, last.end));
+        }
+        let guess = known.is_none();
+        let (from, left, n) = known.or_else(next_field)?;
+        if guess {
+            // A first record's guess: the first place after the context where a value
+            // can start (not `</td>` for `>`).
+            let starts = |q: usize| {
+                src.get(q)
+                    .is_some_and(|&b| is_value_byte(b) || b"\"'+-$.#@(".contains(&b))
+            };
+            return (1..=8)
+                .filter_map(|i| nth_after(src, from, &left, i))
+                .find(|&q| starts(q))
+                .map(|q| (q, from));
+        }
+        // The context, else its shorter ends (a first record's context may hold the
+        // text before the records: `):\n`).
+        (0..left.len())
+            .find_map(|cut| nth_after(src, from, &left[cut..], n))
+            .map(|q| (q, from))
+    }
+
+    /// A `true`, `false` or `null` of the current key was completed: the prompt word at
+    /// the predicted place is learned to map to it (`yes` → `true`), and located.
+    fn complete_literal(&mut self, src: &[u8], v: Vec<u8>) {
+        let key = self.key();
+        let predicted = self.predict(src, &key);
+        self.written.insert(key.clone());
+        self.numeric.remove(&key);
+        self.literal.insert(key.clone());
+        let Some((q, _)) = predicted else {
+            return;
+        };
+        let q = unquoted(src, q);
+        let word = word_at(src, q);
+        if word.is_empty() {
+            return;
+        }
+        let end = q + word.len();
+        self.mapped.insert((key.clone(), word.to_vec()), v);
+        self.learn(src, key, q, end);
+    }
+
+    /// The end of the location before `loc` in the output, where it lies before `loc`
+    /// in the prompt.
+    fn floor(&self, loc: &Located) -> Option<usize> {
+        let i = self.located.iter().position(|l| l == loc)?;
+        Some(
+            i.checked_sub(1)
+                .map(|j| self.located[j].end)
+                .filter(|&e| e <= loc.start)
+                .unwrap_or(0),
+        )
     }
 
     /// A value of the current key was completed: locate it in `src` and learn.
     fn complete(&mut self, src: &[u8], v: &[u8]) {
-        if v.len() < MIN_LOCATED || v.contains(&b'\\') {
-            return;
-        }
         let key = self.key();
         let predicted = self.predict(src, &key).map(|p| p.0);
+        self.written.insert(key.clone());
+        if v.is_empty() || v.contains(&b'\\') {
+            return;
+        }
         let after = self.located.last().map_or(0, |l| l.end);
+        // A short value only where it was predicted, as a whole word.
+        let whole = |q: usize| src.get(q + v.len()).is_none_or(|&b| !is_value_byte(b));
         let start = match predicted {
-            Some(q) if src[q..].starts_with(v) => Some(q),
-            _ => find(&src[after..], v)
-                .map(|p| after + p)
-                .or_else(|| find(src, v)),
+            Some(q) if src[unquoted(src, q)..].starts_with(v) && whole(unquoted(src, q)) => {
+                Some(unquoted(src, q))
+            }
+            // The first occurrence standing on its own from the previous value on (a
+            // number written inside the previous value: `took 12ms` → 12), else any.
+            _ => find_bounded(src, self.located.last().map_or(0, |l| l.start), v).or_else(|| {
+                if v.len() < MIN_LOCATED {
+                    return None;
+                }
+                find(&src[after..], v)
+                    .map(|p| after + p)
+                    .or_else(|| find(src, v))
+            }),
         };
-        let Some(start) = start else { return };
+        let from = self.located.last().map_or(0, |l| l.start);
+        let Some(mut start) = start else {
+            // Written differently: a number with thousands separators, a date.
+            if let Some((q, e)) = find_number(src, from, v) {
+                self.learn(src, key, q, e);
+            } else if let Some((q, e, fs)) = DateFormat::find(src, predicted, after, v) {
+                self.formats.insert(key.clone(), fs);
+                self.learn(src, key, q, e);
+            } else if let Some(fs) = self.formats.get_mut(&key) {
+                // Keep the templates that explain this value where it was predicted.
+                if let Some(q) = predicted {
+                    fs.retain(|f| f.apply(src, q).as_deref() == Some(v));
+                    if let Some(f) = fs.first() {
+                        let e = q + f.span(src, q).unwrap_or(0);
+                        self.learn(src, key, q, e);
+                    }
+                }
+            }
+            return;
+        };
+        let mut end = start + v.len();
+        // A quoted field (`"Sales, EMEA"` in CSV): the field is the location, quotes
+        // included, so its contexts are the delimiters around it.
+        if start > 0 && src[start - 1] == b'"' && src.get(end) == Some(&b'"') {
+            start -= 1;
+            end += 1;
+        }
+        self.learn(src, key, start, end);
+    }
+
+    /// The value of `key` was found at `start..end` of `src`: learn its contexts and
+    /// relations, and remember the location.
+    fn learn(&mut self, src: &[u8], key: Vec<u8>, start: usize, end: usize) {
         let loc = Located {
             key: key.clone(),
             start,
-            end: start + v.len(),
+            end,
         };
         let own: Vec<&Located> = self
             .located
@@ -221,7 +558,20 @@ impl State {
             .filter(|l| l.key == key)
             .take(KEEP - 1)
             .collect();
-        let left = left_context(src, start, &own);
+        let left = left_context(
+            src,
+            start,
+            &own,
+            Some(self.located.last().map_or(0, |l| l.end)),
+        );
+        if let Some(p) = self.located.last()
+            && p.start <= start
+            && end < p.end
+            && p.end - end <= MAX_CONTEXT
+        {
+            self.inside
+                .insert((p.key.clone(), key.clone()), src[end..p.end].to_vec());
+        }
         if !left.is_empty() {
             // Relations to the previous location and to this key's own previous one.
             let prev = self.located.last().cloned();
@@ -253,17 +603,36 @@ impl State {
 }
 
 /// The left context of a value at `start`: with earlier locations of the key, the bytes
-/// before all of them in common (at most [`MAX_CONTEXT`]); with none, the run of non-value
+/// before all of them in common (at most [`MAX_CONTEXT`]); with none, the line up to it
+/// when other lines start alike (`\nEmail: `, `\n<tr><td>`), else the run of non-value
 /// bytes just before it. Empty when there is none.
-fn left_context(src: &[u8], start: usize, own: &[&Located]) -> Vec<u8> {
+///
+/// A first location's line prefix counts only from `floor` on (the end of the value
+/// before it: a prefix holding another value, `- 2 x `, is no layout); `None`: only the
+/// delimiters (the next field of a first record is on the same line).
+fn left_context(src: &[u8], start: usize, own: &[&Located], floor: Option<usize>) -> Vec<u8> {
     let before = |s: usize| &src[s.saturating_sub(MAX_CONTEXT)..s];
     let mine = before(start);
     let mut n = if own.is_empty() {
-        mine.iter()
-            .rev()
-            .take_while(|&&b| !is_value_byte(b) && b != SPECIAL)
-            .count()
-            .min(8)
+        // The line up to the value when other lines start alike (`\nEmail: `,
+        // `\n<tr><td>`), else the delimiters just before it.
+        let line = mine
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map(|p| mine.len() - p)
+            .filter(|&n| {
+                floor.is_some_and(|f| start - n >= f) && {
+                    let pat = &mine[mine.len() - n..];
+                    src.windows(n).filter(|w| *w == pat).take(2).count() == 2
+                }
+            });
+        line.unwrap_or_else(|| {
+            mine.iter()
+                .rev()
+                .take_while(|&&b| !is_value_byte(b) && b != SPECIAL)
+                .count()
+                .min(8)
+        })
     } else {
         own.iter()
             .map(|l| {
@@ -321,6 +690,12 @@ fn right_context(src: &[u8], end: usize, own: &[&Located]) -> Vec<u8> {
     mine[..n].to_vec()
 }
 
+/// Where the value of a field starting at `q` starts: after its opening quote when the
+/// field is quoted.
+fn unquoted(src: &[u8], q: usize) -> usize {
+    if src.get(q) == Some(&b'"') { q + 1 } else { q }
+}
+
 /// How many occurrences of `left` end in `(from, to]`, if one ends exactly at `to`.
 fn count_to(src: &[u8], from: usize, left: &[u8], to: usize) -> Option<usize> {
     if !src[..to].ends_with(left) {
@@ -348,6 +723,270 @@ fn nth_after(src: &[u8], from: usize, left: &[u8], n: usize) -> Option<usize> {
         }
     }
     None
+}
+
+/// The first occurrence of `v` in `src` from `from` on that stands on its own: a number
+/// not inside a longer number, other text not inside a word.
+fn find_bounded(src: &[u8], from: usize, v: &[u8]) -> Option<usize> {
+    let numeric = v
+        .iter()
+        .all(|b| b.is_ascii_digit() || matches!(b, b'.' | b'-'));
+    let inner = |b: u8| {
+        if numeric {
+            b.is_ascii_digit()
+        } else {
+            is_value_byte(b)
+        }
+    };
+    let mut at = from;
+    while let Some(p) = find(&src[at.min(src.len())..], v) {
+        let q = at + p;
+        let before = q.checked_sub(1).map(|i| src[i]);
+        let after = src.get(q + v.len()).copied();
+        let decimal = numeric
+            && after == Some(b'.')
+            && src.get(q + v.len() + 1).is_some_and(|b| b.is_ascii_digit());
+        if !before.is_some_and(inner) && !after.is_some_and(inner) && !decimal {
+            return Some(q);
+        }
+        at = q + 1;
+    }
+    None
+}
+
+/// The number at `q` (digits, one `.`, a leading `-`; `,` only as a thousands
+/// separator, dropped): its end and its plain text.
+fn number_at(src: &[u8], q: usize) -> Option<(usize, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut i = q;
+    let mut dot = false;
+    while let Some(&b) = src.get(i) {
+        let digits_after = |n: usize| {
+            (1..=n).all(|k| src.get(i + k).is_some_and(u8::is_ascii_digit))
+                && !src.get(i + n + 1).is_some_and(u8::is_ascii_digit)
+        };
+        if b.is_ascii_digit() || (b == b'-' && i == q) {
+            out.push(b);
+        } else if b == b'.' && !dot && src.get(i + 1).is_some_and(u8::is_ascii_digit) {
+            dot = true;
+            out.push(b);
+        } else if b == b',' && !dot && !out.is_empty() && digits_after(3) {
+            // A thousands separator.
+        } else {
+            break;
+        }
+        i += 1;
+    }
+    out.iter().any(u8::is_ascii_digit).then_some((i, out))
+}
+
+/// A number in `src` from `from` on (not inside a longer number) whose plain text is
+/// `v` while the prompt writes it otherwise (`$1,234.50` for `1234.50`): its span.
+fn find_number(src: &[u8], from: usize, v: &[u8]) -> Option<(usize, usize)> {
+    if v.is_empty() || !v.iter().all(|&b| is_number_byte(b)) {
+        return None;
+    }
+    (from..src.len())
+        .filter(|&q| src[q].is_ascii_digit() && (q == 0 || !is_number_byte(src[q - 1])))
+        .find_map(|q| {
+            let (e, digits) = number_at(src, q)?;
+            (digits == v).then_some((q, e))
+        })
+}
+
+/// Month names, for dates written with them.
+const MONTHS: [&str; 12] = [
+    "january",
+    "february",
+    "march",
+    "april",
+    "may",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
+];
+
+/// The words of a date in the prompt from `q` on (up to `n`, on one line, apart by at
+/// most 3 delimiters): each word's number (a month name's number) and the span's end.
+fn date_words(src: &[u8], q: usize, n: usize) -> Option<(Vec<u64>, usize)> {
+    let mut vals = Vec::new();
+    let mut i = q;
+    while vals.len() < n {
+        if vals.is_empty() {
+            if !src.get(i)?.is_ascii_alphanumeric() {
+                return None;
+            }
+        } else {
+            let gap = src[i..]
+                .iter()
+                .take_while(|b| !b.is_ascii_alphanumeric() && **b != b'\n' && **b != SPECIAL)
+                .count();
+            if gap == 0 || gap > 3 {
+                return None;
+            }
+            i += gap;
+        }
+        let w = src[i..]
+            .iter()
+            .take_while(|b| b.is_ascii_alphanumeric())
+            .count();
+        let word = &src[i..i + w];
+        let val = if word.iter().all(u8::is_ascii_digit) && w <= 4 {
+            std::str::from_utf8(word).ok()?.parse().ok()?
+        } else {
+            let lower = word.to_ascii_lowercase();
+            let m = MONTHS
+                .iter()
+                .position(|m| lower.len() >= 3 && m.as_bytes().starts_with(&lower))?;
+            m as u64 + 1
+        };
+        vals.push(val);
+        i += w;
+    }
+    Some((vals, i))
+}
+
+/// An output date's number groups (value, width) and the separators around them.
+type DateParts = (Vec<(u64, usize)>, Vec<Vec<u8>>);
+
+/// A value re-formatted from prompt words (a date: `3 March 2024` → `2024-03-03`): each
+/// number group of the output is one of the words, zero-padded to a width, between
+/// fixed separators.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct DateFormat {
+    /// Per output group: (the word it comes from, its width).
+    groups: Vec<(usize, usize)>,
+    /// The text before each group and after the last one.
+    seps: Vec<Vec<u8>>,
+}
+
+impl DateFormat {
+    /// The output `v` split into digit groups and separators (2 to 3 groups, no letters).
+    fn parse(v: &[u8]) -> Option<DateParts> {
+        if v.iter().any(u8::is_ascii_alphabetic) || v.len() > 32 {
+            return None;
+        }
+        let mut groups = Vec::new();
+        let mut seps = vec![Vec::new()];
+        let mut i = 0;
+        while i < v.len() {
+            if v[i].is_ascii_digit() {
+                let w = v[i..].iter().take_while(|b| b.is_ascii_digit()).count();
+                let n = std::str::from_utf8(&v[i..i + w]).ok()?.parse().ok()?;
+                groups.push((n, w));
+                seps.push(Vec::new());
+                i += w;
+            } else {
+                seps.last_mut()?.push(v[i]);
+                i += 1;
+            }
+        }
+        (2..=3).contains(&groups.len()).then_some((groups, seps))
+    }
+
+    /// Where `v` is written otherwise in `src`: at the predicted place `at`, else the
+    /// first place after `after`; the span and the templates that explain it (a month
+    /// name's group first).
+    fn find(
+        src: &[u8],
+        at: Option<usize>,
+        after: usize,
+        v: &[u8],
+    ) -> Option<(usize, usize, Vec<DateFormat>)> {
+        let (groups, seps) = DateFormat::parse(v)?;
+        let n = groups.len();
+        let try_at = |q: usize| -> Option<(usize, usize, Vec<DateFormat>)> {
+            let (vals, end) = date_words(src, q, n)?;
+            let mut out = Vec::new();
+            for perm in permutations(n) {
+                if perm.iter().zip(&groups).all(|(&w, &(g, _))| vals[w] == g) {
+                    out.push(DateFormat {
+                        groups: perm
+                            .iter()
+                            .zip(&groups)
+                            .map(|(&w, &(_, wd))| (w, wd))
+                            .collect(),
+                        seps: seps.clone(),
+                    });
+                }
+            }
+            // A word that is a month name most likely fills the middle group.
+            let month_word = (0..n).find(|&k| word_is_month(src, q, k));
+            if let Some(m) = month_word {
+                out.sort_by_key(|f| usize::from(f.groups.get(1).map(|g| g.0) != Some(m)));
+            }
+            (!out.is_empty()).then_some((q, end, out))
+        };
+        if let Some(q) = at
+            && let Some(found) = try_at(q)
+        {
+            return Some(found);
+        }
+        let hi = (after + RESYNC).min(src.len());
+        (after..hi)
+            .filter(|&q| {
+                src[q].is_ascii_alphanumeric() && (q == 0 || !src[q - 1].is_ascii_alphanumeric())
+            })
+            .find_map(try_at)
+    }
+
+    /// The value the prompt's words at `q` give.
+    fn apply(&self, src: &[u8], q: usize) -> Option<Vec<u8>> {
+        let (vals, _) = date_words(src, q, self.groups.len())?;
+        let mut out = self.seps[0].clone();
+        for (i, &(w, width)) in self.groups.iter().enumerate() {
+            out.extend(format!("{:0width$}", vals[w]).bytes());
+            out.extend_from_slice(&self.seps[i + 1]);
+        }
+        Some(out)
+    }
+
+    /// The length of the prompt words at `q`.
+    fn span(&self, src: &[u8], q: usize) -> Option<usize> {
+        date_words(src, q, self.groups.len()).map(|(_, e)| e - q)
+    }
+}
+
+/// Whether the `k`-th date word at `q` is a month name.
+fn word_is_month(src: &[u8], q: usize, k: usize) -> bool {
+    let mut i = q;
+    for j in 0..=k {
+        if j > 0 {
+            i += src[i..]
+                .iter()
+                .take_while(|b| !b.is_ascii_alphanumeric())
+                .count();
+        }
+        let w = src[i..]
+            .iter()
+            .take_while(|b| b.is_ascii_alphanumeric())
+            .count();
+        if j == k {
+            return src[i..i + w].iter().any(u8::is_ascii_alphabetic);
+        }
+        i += w;
+    }
+    false
+}
+
+/// The orders of `0..n` (n ≤ 3).
+fn permutations(n: usize) -> Vec<Vec<usize>> {
+    match n {
+        2 => vec![vec![0, 1], vec![1, 0]],
+        3 => vec![
+            vec![0, 1, 2],
+            vec![0, 2, 1],
+            vec![1, 0, 2],
+            vec![1, 2, 0],
+            vec![2, 0, 1],
+            vec![2, 1, 0],
+        ],
+        _ => vec![(0..n).collect()],
+    }
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
@@ -414,20 +1053,44 @@ impl PromptTextDrafter {
     }
 
     /// The text the value being written continues with, from the prompt: `None` when
-    /// there is no prediction.
+    /// there is no prediction; empty when the value written so far is the whole
+    /// predicted value.
     fn predict_text(&self, st: &State) -> Option<Vec<u8>> {
         let key = st.key();
         let writing = st.in_string && !st.string_is_key;
         let at_value = !st.in_string
             && !st.in_number
+            && !st.in_literal
             && !st.expect_key
             && st.stack.last().is_some_and(|f| f.object);
-        if !(writing || st.in_number || at_value) || st.escape {
+        if !(writing || st.in_number || st.in_literal || at_value) || st.escape {
             return None;
         }
-        let (q, from) = st.predict(&self.src, &key)?;
+        if st.located.is_empty() && (writing || st.in_number) {
+            return self.first_value(&st.buf);
+        }
+        let (field, from) = st.predict(&self.src, &key)?;
         let src = &self.src;
+        let q = unquoted(src, field);
+        let quoted = q > field;
         let done = &st.buf;
+        if st.in_number || (at_value && st.numeric.contains(&key)) {
+            // The number there, thousands separators dropped (`1,234.50` → `1234.50`).
+            let (_, digits) = number_at(src, q)?;
+            let rest = digits.strip_prefix(done.as_slice())?;
+            return (!rest.is_empty() || !done.is_empty()).then(|| rest.to_vec());
+        }
+        if let Some(formats) = st.formats.get(&key) {
+            // A re-formatted value (a date): the first template that reads the prompt.
+            let text = formats.iter().find_map(|f| f.apply(src, q))?;
+            let rest = text.strip_prefix(done.as_slice())?;
+            return (!rest.is_empty() || !done.is_empty()).then(|| rest.to_vec());
+        }
+        if st.in_literal || (at_value && st.literal.contains(&key)) {
+            // The literal this prompt word was written as before.
+            let lit = st.mapped.get(&(key, word_at(src, q).to_vec()))?;
+            return lit.strip_prefix(done.as_slice()).map(<[u8]>::to_vec);
+        }
         let start = if src[q..].starts_with(done) {
             q + done.len()
         } else if done.len() >= 3 {
@@ -456,6 +1119,8 @@ impl PromptTextDrafter {
         let hi = (start + MAX_VALUE).min(src.len());
         let window = &src[start..hi];
         // The right context, else its first byte (the last record), else the text's end.
+        // A quoted field ends at its closing quote.
+        let right = if quoted { b"\"".to_vec() } else { right };
         let end = start
             + right
                 .first()
@@ -463,10 +1128,117 @@ impl PromptTextDrafter {
                 .or_else(|| window.iter().position(|&b| b == SPECIAL))
                 .unwrap_or(window.len());
         let text = &src[start..end];
-        if text.is_empty() || text.contains(&SPECIAL) {
+        if text.contains(&SPECIAL) || (text.is_empty() && done.is_empty()) {
             return None;
         }
         Some(text.to_vec())
+    }
+
+    /// The rest of the output's first value (nothing located yet) once it has begun:
+    /// the first word of the request's text (the longest part of the prompt between
+    /// special tokens, after the instructions) that starts with what was written, up to
+    /// a space or a delimiter.
+    fn first_value(&self, done: &[u8]) -> Option<Vec<u8>> {
+        if done.is_empty() {
+            return None;
+        }
+        let src = &self.src;
+        let mut lo = 0;
+        let mut best = (0, 0);
+        for (i, &b) in src
+            .iter()
+            .enumerate()
+            .chain(std::iter::once((src.len(), &SPECIAL)))
+        {
+            if b == SPECIAL {
+                if i - lo > best.1 - best.0 {
+                    best = (lo, i);
+                }
+                lo = i + 1;
+            }
+        }
+        let (lo, hi) = best;
+        let at = (lo..hi)
+            .find(|&q| src[q..hi].starts_with(done) && (q == lo || !is_value_byte(src[q - 1])))?;
+        let start = at + done.len();
+        let n = src[start..hi]
+            .iter()
+            .take_while(|&&b| is_value_byte(b) || b"-:./@+_".contains(&b))
+            .count();
+        (n > 0).then(|| src[start..start + n].to_vec())
+    }
+
+    /// The text the output continues with: the rest of the value being written (from
+    /// the prompt), the syntax after it up to the next value (the gap its key path was
+    /// followed by last time), the next value, and so on, while both are predicted.
+    /// `st` is advanced over the text.
+    fn draft_text(&self, st: &mut State) -> Vec<u8> {
+        let mut text = Vec::new();
+        let push = |st: &mut State, part: &[u8], text: &mut Vec<u8>| {
+            for &b in part {
+                st.feed(&self.src, b);
+            }
+            text.extend_from_slice(part);
+        };
+        for _ in 0..MAX_PARTS {
+            let before = text.len();
+            // Between two values: the rest of the gap.
+            if let Some(g) = &st.gap {
+                let rest = st
+                    .gaps
+                    .get(&g.after)
+                    .and_then(|full| full.strip_prefix(g.bytes.as_slice()))
+                    .map(<[u8]>::to_vec)
+                    // An unknown gap: from its key on, what follows keys.
+                    .or_else(|| st.post_rest());
+                let Some(rest) = rest else {
+                    // Before the key: the separator, for the grammar to force the key.
+                    if let Some(sep) = st.sep_rest() {
+                        push(st, &sep, &mut text);
+                    }
+                    break;
+                };
+                push(st, &rest, &mut text);
+            }
+            let Some(value) = self.predict_text(st) else {
+                break;
+            };
+            let key = st.key();
+            // Whether the value ends where predicted: a number, a mapped value, a key
+            // located before, or (a first record) a delimiter after the value before
+            // that is more than a space.
+            let sure_end = st.in_number
+                || st.numeric.contains(&key)
+                || st.literal.contains(&key)
+                || st.formats.contains_key(&key)
+                || st.located.iter().any(|l| l.key == key)
+                || st.located.last().is_some_and(|l| {
+                    right_context(&self.src, l.end, &[l])
+                        .iter()
+                        .any(|&b| b != b' ')
+                });
+            push(st, &value, &mut text);
+            let Some(gap) = st.gaps.get(&st.key()).cloned() else {
+                // No gap learned after this key yet (a first record): the value ends
+                // there and the separator at this depth follows, for the grammar to
+                // force the next key.
+                if sure_end && let Some(sep) = st.seps.get(&st.stack.len()).cloned() {
+                    let mut rest = Vec::new();
+                    if st.in_string {
+                        rest.push(b'"');
+                    }
+                    rest.extend_from_slice(&sep);
+                    rest.push(b'"');
+                    push(st, &rest, &mut text);
+                }
+                break;
+            };
+            push(st, &gap, &mut text);
+            if text.len() == before || text.len() >= MAX_TEXT {
+                break;
+            }
+        }
+        text
     }
 }
 
@@ -485,12 +1257,15 @@ impl Drafter for PromptTextDrafter {
         self.ensure_prompt(ctx.tokens, ctx.prompt_len);
         let mut st = self.state.clone();
         self.advance(&mut st, &ctx.tokens[self.seen.min(ctx.tokens.len())..]);
-        let Some(text) = self.predict_text(&st) else {
-            return out;
+        let text = self.draft_text(&mut st);
+        let text = match std::str::from_utf8(&text) {
+            Ok(t) => t,
+            // Cut inside a character: the valid part.
+            Err(e) => std::str::from_utf8(&text[..e.valid_up_to()]).unwrap_or_default(),
         };
-        let Ok(text) = std::str::from_utf8(&text) else {
+        if text.is_empty() {
             return out;
-        };
+        }
         for t in self.tok.encode(text, EncodeOptions::plain_text()) {
             if out.tokens.len() >= k || !mirror.try_push(t) {
                 break;
@@ -520,7 +1295,8 @@ mod tests {
     use super::*;
     use sampling::{SamplingParams, TokenMask};
 
-    /// A byte-level tokenizer (one token per byte), so text and tokens map one to one.
+    /// A byte-level tokenizer (one token per byte), so text and tokens map one to one;
+    /// byte 0 is a control token (it stands for the chat template's markers).
     fn tokenizer() -> Arc<Tokenizer> {
         let printable = |b: u8| matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
         let tokens: Vec<String> = (0..=255u8)
@@ -533,11 +1309,13 @@ mod tests {
                 }
             })
             .collect();
+        let types: Vec<i32> = (0..256).map(|i| if i == 0 { 3 } else { 1 }).collect();
         Arc::new(
             Tokenizer::from_spec(&text::VocabSpec {
                 model: "gpt2",
                 pre: "qwen2",
                 tokens: &tokens,
+                token_types: &types,
                 merges: &[],
                 ..text::VocabSpec::default()
             })
@@ -591,7 +1369,12 @@ mod tests {
         let mut m = Mirror::new(&mut g, 256);
         let p = d.propose(&ctx, &mut m);
         let b: Vec<u8> = p.tokens.iter().map(|&t| t as u8).collect();
-        String::from_utf8(b).expect("utf-8")
+        String::from_utf8_lossy(&b).into_owned()
+    }
+
+    /// A draft's first value: the text up to its closing quote.
+    fn value(draft: &str) -> &str {
+        draft.split('"').next().unwrap_or_default()
     }
 
     fn enc(tok: &Tokenizer, s: &str) -> Vec<u32> {
@@ -618,18 +1401,223 @@ mod tests {
         toks.extend(enc(&tok, "{\"name\":\""));
         // One location per key: the left context is the run of delimiters before it
         // (`\n` for the name), counted once from the previous value.
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "Alan Turing");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "Alan Turing");
         toks.extend(enc(&tok, "Alan Turing\",\"city\":\""));
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "Wilmslow");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "Wilmslow");
         toks.extend(enc(&tok, "Wilmslow\",\"email\":\""));
         d.observe(&toks);
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "alan@example.org");
+        assert_eq!(
+            value(&draft(&mut d, &toks, prompt.len())),
+            "alan@example.org"
+        );
         // Partly written: the rest of the value.
         toks.extend(enc(&tok, "alan@"));
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "example.org");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "example.org");
         toks.extend(enc(&tok, "example.org\"},{\"name\":\""));
         d.observe(&toks);
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "Grace Hopper");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "Grace Hopper");
+    }
+
+    #[test]
+    fn drafts_whole_records_values_and_syntax_between_them() {
+        // Pretty-printed output: after one record the gaps (closing quote, `,\n`, the
+        // indentation, the next key, its opening quote) are known per key, so a draft
+        // runs through the next record's fields.
+        let tok = tokenizer();
+        let prompt = enc(&tok, CSV);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(
+            &tok,
+            "[\n  {\n    \"name\": \"Ada Lovelace\",\n    \"city\": \"London\",\n    \
+             \"email\": \"ada@example.com\"\n  },\n  {\n    \"name\": \"Alan Turing\",\n",
+        ));
+        d.observe(&toks);
+        // Mid-gap: the rest of it, the value, the next gap...
+        assert_eq!(
+            draft(&mut d, &toks, prompt.len()),
+            "    \"city\": \"Wilmslow\",\n    \"email\": \"alan@example.org\"\n  },\n  {"
+        );
+        // (64 bytes: the cap.) Then the next record.
+        toks.extend(enc(
+            &tok,
+            "    \"city\": \"Wilmslow\",\n    \"email\": \"alan@example.org\"\n  },\n  {\n",
+        ));
+        d.observe(&toks);
+        assert_eq!(
+            draft(&mut d, &toks, prompt.len()),
+            "    \"name\": \"Grace Hopper\",\n    \"city\": \"Arlington\",\n    \"email\""
+        );
+    }
+
+    #[test]
+    fn a_quoted_csv_field_is_drafted_without_its_quotes_and_whole() {
+        let tok = tokenizer();
+        let text = "id,name,dept\n1,\"Okafor, Chidi\",Engineering\n\
+                    2,\"van der Berg, Anneke\",\"Sales, EMEA\"\n3,\"Smith, Jo\",Support\n";
+        let prompt = enc(&tok, text);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(
+            &tok,
+            "[{\"id\":1,\"name\":\"Okafor, Chidi\",\"dept\":\"Engineering\"},\
+             {\"id\":2,\"name\":\"van der Berg, Anneke\",\"dept\":\"",
+        ));
+        d.observe(&toks);
+        assert_eq!(
+            draft(&mut d, &toks, prompt.len()),
+            "Sales, EMEA\"},{\"id\":3,\"name\":\"Smith, Jo\",\"dept\":\"Support\"},{\"id\""
+        );
+    }
+
+    const ORDERS: &str = "Order A-1001 (customer: Maria Rossi, maria@example.com)\n\
+                          - 2 x Espresso Beans 1kg @ 18.50\n\
+                          - 1 x Milk Frother @ 34.00\n\
+                          Order A-1002 (customer: Kenji Sato, kenji@example.com)\n\
+                          - 3 x Green Tea 250g @ 7.25\n\
+                          - 1 x Glass Teapot @ 22.90\n\
+                          - 2 x Bamboo Tray @ 12.00\n";
+
+    #[test]
+    fn nested_items_follow_their_lines() {
+        let tok = tokenizer();
+        let prompt = enc(&tok, ORDERS);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(
+            &tok,
+            "[{\"order_id\":\"A-1001\",\"customer\":{\"name\":\"Maria Rossi\",\
+             \"email\":\"maria@example.com\"},\"items\":[{\"quantity\":2,\
+             \"product\":\"Espresso Beans 1kg\",\"unit_price\":18.50},{\"quantity\":1,\
+             \"product\":\"",
+        ));
+        d.observe(&toks);
+        // The item on the next line (not the later `- 2 x ` line: its prefix holds a
+        // value), then the next item's syntax and the line after (the drafter does not
+        // know the order ends there; the target decides).
+        assert_eq!(
+            draft(&mut d, &toks, prompt.len()),
+            "Milk Frother\",\"unit_price\":34.00},{\"quantity\":3,\"product\":\"Green"
+        );
+        toks.extend(enc(&tok, "Milk"));
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), " Frother");
+    }
+
+    #[test]
+    fn a_literal_is_drafted_for_the_prompt_word_it_stood_for_before() {
+        // An HTML table: `yes`/`no` become `true`/`false`; once `yes` was written as
+        // `true`, the next `yes` row drafts `true`, and the first-record guess skips
+        // `</td>` for the next cell.
+        let tok = tokenizer();
+        let text = "<tr><td>Mouse</td><td>24.99</td><td>yes</td></tr>\n\
+                    <tr><td>Keyboard</td><td>89.00</td><td>no</td></tr>\n\
+                    <tr><td>Hub</td><td>39.50</td><td>yes</td></tr>\n";
+        let prompt = enc(&tok, text);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(&tok, "[{\"p\":\"Mouse\",\"price\":2"));
+        // (Then the separator before the next key, as between the first two fields.)
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "4.99,\"");
+        toks.extend(enc(
+            &tok,
+            "4.99,\"ok\":true},{\"p\":\"Keyboard\",\"price\":89.00,\"ok\":false},{\"p\":\"",
+        ));
+        d.observe(&toks);
+        assert_eq!(
+            draft(&mut d, &toks, prompt.len()),
+            "Hub\",\"price\":39.50,\"ok\":true},{\"p\":\""
+        );
+    }
+
+    #[test]
+    fn re_formatted_dates_and_numbers_are_drafted_by_the_mapping_a_record_showed() {
+        let tok = tokenizer();
+        let text = "Invoice INV-1 was issued on 3 March 2024 for a total of $1,234.50, due soon.\n\
+                    Invoice INV-2 was issued on 17 April 2024 for a total of $12,000.00, due soon.\n";
+        let prompt = enc(&tok, text);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(
+            &tok,
+            "[{\"id\":\"INV-1\",\"issued\":\"2024-03-03\",\"total\":1234.50},{\"id\":\"INV-2\",\
+             \"issued\":\"",
+        ));
+        d.observe(&toks);
+        // The date's words in the prompt, re-ordered and padded as the first record did;
+        // then the total without its separator.
+        let got = draft(&mut d, &toks, prompt.len());
+        assert!(
+            got.starts_with("2024-04-17\",\"total\":12000.00},{\"id\":\""),
+            "{got:?}"
+        );
+        // The parts of it.
+        assert_eq!(
+            number_at(b"$1,234.50, due", 1),
+            Some((9, b"1234.50".to_vec()))
+        );
+        assert_eq!(
+            number_at(b"98500.50,2019", 0),
+            Some((8, b"98500.50".to_vec()))
+        );
+        let (q, _, fs) =
+            DateFormat::find(b"on 03/04/2025 x", None, 0, b"2025-03-04").expect("found");
+        assert_eq!(q, 3);
+        assert_eq!(
+            fs[0].apply(b"on 11/12/2026 x", 3),
+            Some(b"2026-11-12".to_vec())
+        );
+    }
+
+    #[test]
+    fn the_first_value_continues_the_first_word_of_the_request_it_starts() {
+        let tok = tokenizer();
+        // Special tokens around the request (byte 0 stands for one here).
+        let mut prompt = enc(&tok, "system: be exact 2");
+        prompt.push(0);
+        prompt.extend(enc(
+            &tok,
+            "Turn each line into JSON (timestamp, level):\n\
+             2024-05-01T12:00:03Z INFO started\n2024-05-01T12:00:04Z WARN slow\n",
+        ));
+        prompt.push(0);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(&tok, "[{\"timestamp\":\"2"));
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "024-05-01T12:00:03Z");
+        // Nothing written yet: nothing to go by.
+        let mut toks = prompt.clone();
+        toks.extend(enc(&tok, "[{\"timestamp\":\""));
+        assert_eq!(draft(&mut d, &toks, prompt.len()), "");
+    }
+
+    #[test]
+    fn arbitrary_prompts_and_outputs_never_panic() {
+        // Prompt and output bytes drawn from JSON syntax, delimiters, digits, letters,
+        // quotes and a special token; the drafter proposes after every output token.
+        let tok = tokenizer();
+        let alphabet = b"{}[]\":,. -+$/\\\n0123456789aetrunfls yesnoMarch\x00\xc3\xa9";
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        for _ in 0..400 {
+            let plen = next(200);
+            let prompt: Vec<u32> = (0..plen)
+                .map(|_| u32::from(alphabet[next(alphabet.len())]))
+                .collect();
+            let mut d = PromptTextDrafter::new(tok.clone());
+            let mut toks = prompt.clone();
+            for _ in 0..next(150) {
+                toks.push(u32::from(alphabet[next(alphabet.len())]));
+                let _ = draft(&mut d, &toks, prompt.len());
+                if next(3) == 0 {
+                    d.observe(&toks);
+                }
+            }
+        }
     }
 
     #[test]
@@ -648,9 +1636,9 @@ mod tests {
             "[{\"n\":\"Ada\",\"p\":\"premium\"},{\"n\":\"Alan\",\"p\":\"team\"},{\"n\":\"",
         ));
         d.observe(&toks);
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "Grace");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "Grace");
         toks.extend(enc(&tok, "Grace\",\"p\":\""));
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "free");
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "free");
     }
 
     #[test]
@@ -684,9 +1672,22 @@ mod tests {
             target: None,
         };
         assert!(d.propose(&ctx, &mut Mirror::unconstrained()).is_empty());
-        // Inside a key: nothing.
-        toks.extend(enc(&tok, "Alan Turing\",\"ci"));
-        assert_eq!(draft(&mut d, &toks, prompt.len()), "");
+        // Inside a key of the first record: the end of the key as keys ended so far, the
+        // field after the one before in the prompt (it ends at a `,`, so the separator
+        // between fields follows: the grammar forces the next key).
+        let mut first = prompt.clone();
+        first.extend(enc(&tok, "[{\"name\":\"Ada Lovelace\",\"ci"));
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft(&mut d, &first, prompt.len()), "\":\"London\",\"");
+        // A field after a space-delimited one: its end is not sure, no separator.
+        let spaced = enc(&tok, "people:\nAda Lovelace London\n");
+        let mut first = spaced.clone();
+        first.extend(enc(&tok, "[{\"first\":\"Ada\",\"last\":\""));
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft(&mut d, &first, spaced.len()), "Lovelace");
+        // Inside an object key before any value: nothing known.
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft(&mut d, &enc(&tok, "[{\"na"), 0), "");
     }
 
     #[test]
@@ -696,11 +1697,24 @@ mod tests {
             st.feed(b"", b);
         }
         assert!(st.in_string && !st.string_is_key);
-        assert_eq!(st.key(), b"c");
+        assert_eq!(st.key(), b"a/b/c");
         for &b in b"\"}],\"d\":" {
             st.feed(b"", b);
         }
-        assert_eq!(st.key(), b"d");
+        assert_eq!(st.key(), b"a/d");
+        // Values and the gaps between them: `1` (path `a/b`) was followed by `,{"c":"`.
+        assert_eq!(
+            st.gaps.get(b"a/b".as_slice()),
+            Some(&b",{\"c\":\"".to_vec())
+        );
+        // The gap after `x` is still open.
+        assert_eq!(
+            st.gap,
+            Some(Gap {
+                after: b"a/b/c".to_vec(),
+                bytes: b"\"}],\"d\":".to_vec()
+            })
+        );
         assert!(!st.expect_key);
     }
 }
