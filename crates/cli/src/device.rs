@@ -264,6 +264,7 @@ mod tests {
                 ctx_size: None,
                 kv_type: crate::args::KvTypeArg::F16,
                 device: DeviceArg::Cuda(0),
+                prefill_chunk: None,
             },
             0,
             &|n| n,
