@@ -38,7 +38,7 @@ pub struct ModelArgs {
     /// smaller ones hold up the requests decoding beside a prefill for less time. The
     /// output is the same either way
     #[arg(long = "prefill-chunk", value_name = "N",
-          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+          value_parser = clap::value_parser!(u32).range(1..=8192))]
     pub prefill_chunk: Option<u32>,
 }
 

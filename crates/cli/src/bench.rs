@@ -120,7 +120,7 @@ pub struct BenchArgs {
     /// Rows per prefill forward in the pp tests (default: the engine's, 256 on the CPU,
     /// 1024 on CUDA)
     #[arg(long = "prefill-chunk", value_name = "N",
-          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+          value_parser = clap::value_parser!(u32).range(1..=8192))]
     pub prefill_chunk: Option<u32>,
 
     /// With --spec: most draft tokens per verify cycle
