@@ -138,6 +138,25 @@ struct State {
     /// Key path → the gap that followed its value the last time (the record's syntax up
     /// to the next value, as the model wrote it).
     gaps: HashMap<Vec<u8>, Vec<u8>>,
+    /// The output's layout, as far as it has shown it.
+    layout: Layout,
+    /// Whitespace written outside strings since the last other byte.
+    ws: Vec<u8>,
+    /// The last byte outside strings that is not whitespace (a value string's closing
+    /// quote included), 0 before the JSON.
+    last_sig: u8,
+}
+
+/// How the output lays JSON out, learned from what it wrote: pretty-printed (a newline
+/// and an indent of `indent` spaces per depth) or compact (a space after `,` or not).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Layout {
+    /// `Some(true)`: newlines between members; `Some(false)`: none; `None`: not shown yet.
+    pretty: Option<bool>,
+    /// Spaces per depth of a pretty output.
+    indent: Option<usize>,
+    /// Compact: a space after `,`.
+    comma_space: Option<bool>,
 }
 
 /// The output between the end of one value and the start of the next.
@@ -213,6 +232,94 @@ impl State {
         }
     }
 
+    /// A new line at `depth` as the layout writes it: pretty, a newline and the indent
+    /// (2 spaces per depth until the output shows its own); compact, nothing (after a
+    /// comma: the space it was followed by). `None` while the layout is unknown.
+    fn newline(&self, depth: usize, after_comma: bool) -> Option<Vec<u8>> {
+        if self.layout.pretty? {
+            let mut v = vec![b'\n'];
+            v.resize(1 + self.layout.indent.unwrap_or(2) * depth, b' ');
+            Some(v)
+        } else {
+            Some(if after_comma && self.layout.comma_space == Some(true) {
+                b" ".to_vec()
+            } else {
+                Vec::new()
+            })
+        }
+    }
+
+    /// An object opened at `depth` (containers open around it), up to its first key's
+    /// opening quote.
+    fn open_object(&self, depth: usize) -> Option<Vec<u8>> {
+        let mut v = vec![b'{'];
+        v.extend(self.newline(depth + 1, false)?);
+        v.push(b'"');
+        Some(v)
+    }
+
+    /// The ways the output can go on after a value at the current depth ends, most
+    /// likely first: the next member of its container, else the container closes and
+    /// the next member of the one around it follows, and so on; last, everything
+    /// closes. A next member of an array is an object (records).
+    fn after_value(&self) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        let mut closed = Vec::new();
+        for d in (1..=self.stack.len()).rev() {
+            let object = self.stack[d - 1].object;
+            let (Some(nl), Some(back)) = (self.newline(d, true), self.newline(d - 1, false))
+            else {
+                return out;
+            };
+            let mut next = closed.clone();
+            next.push(b',');
+            next.extend(nl);
+            if object {
+                next.push(b'"');
+            } else {
+                let Some(open) = self.open_object(d) else {
+                    return out;
+                };
+                next.extend(open);
+            }
+            out.push(next);
+            closed.extend(back);
+            closed.push(if object { b'}' } else { b']' });
+        }
+        out.push(closed);
+        out
+    }
+
+    /// The bytes between a key's closing quote and its value: as the last key was
+    /// followed, else `: ` when pretty and `:` when compact.
+    fn colon(&self) -> Option<Vec<u8>> {
+        if let Some(p) = &self.last_post {
+            return Some(p.strip_suffix(b"\"").unwrap_or(p).to_vec());
+        }
+        Some(if self.layout.pretty? {
+            b": ".to_vec()
+        } else {
+            b":".to_vec()
+        })
+    }
+
+    /// The ways a value can open after a key at the current depth: a string, an object,
+    /// an array of objects.
+    fn value_opens(&self) -> Vec<Vec<u8>> {
+        let d = self.stack.len();
+        let mut out = vec![b"\"".to_vec()];
+        if let Some(o) = self.open_object(d) {
+            out.push(o);
+        }
+        if let (Some(nl), Some(o)) = (self.newline(d + 1, false), self.open_object(d + 1)) {
+            let mut a = vec![b'['];
+            a.extend(nl);
+            a.extend(o);
+            out.push(a);
+        }
+        out
+    }
+
     /// The rest of an unknown gap up to the next key's opening quote, by the separator
     /// between two values at this depth (a first record's `",\n    "`): the grammar
     /// then forces the key.
@@ -280,6 +387,9 @@ impl State {
                 self.last_post = Some(p);
             }
         }
+        if !self.in_string {
+            self.track_layout(b);
+        }
         if self.in_string {
             // A key.
             if self.escape {
@@ -336,6 +446,40 @@ impl State {
         }
     }
 
+    /// Learns the layout from a byte outside strings (before the scanner acts on it).
+    fn track_layout(&mut self, b: u8) {
+        if self.stack.is_empty() {
+            return;
+        }
+        if b.is_ascii_whitespace() {
+            if b == b'\n' {
+                self.layout.pretty.get_or_insert(true);
+            }
+            self.ws.push(b);
+            return;
+        }
+        let opened = matches!(self.last_sig, b'[' | b'{' | b',');
+        if let Some(nl) = self.ws.iter().rposition(|&b| b == b'\n') {
+            let spaces = self.ws.len() - nl - 1;
+            let depth = self.stack.len() - usize::from(matches!(b, b'}' | b']'));
+            if self.layout.indent.is_none()
+                && depth > 0
+                && spaces > 0
+                && spaces % depth == 0
+                && self.ws[nl + 1..].iter().all(|&c| c == b' ')
+            {
+                self.layout.indent = Some(spaces / depth);
+            }
+        } else if opened {
+            self.layout.pretty.get_or_insert(false);
+            if self.last_sig == b',' && self.layout.comma_space.is_none() {
+                self.layout.comma_space = Some(self.ws == b" ");
+            }
+        }
+        self.ws.clear();
+        self.last_sig = b;
+    }
+
     /// A byte inside a string value.
     fn feed_value_string(&mut self, src: &[u8], b: u8) {
         if self.escape {
@@ -346,6 +490,8 @@ impl State {
             self.buf.push(b);
         } else if b == b'"' {
             self.in_string = false;
+            self.last_sig = b;
+            self.ws.clear();
             let v = std::mem::take(&mut self.buf);
             self.numeric.remove(&self.key());
             self.complete(src, &v);
@@ -989,6 +1135,102 @@ fn permutations(n: usize) -> Vec<Vec<usize>> {
     }
 }
 
+/// A first record's number: the first number in `src` from `from` on (within
+/// [`RESYNC`] bytes) that stands on its own (not inside a word or a longer number, not
+/// followed by a letter: `1kg` is a product's name) and whose plain text starts with
+/// `done`; its plain text (thousands separators dropped).
+fn first_number(src: &[u8], from: usize, done: &[u8]) -> Option<Vec<u8>> {
+    let hi = (from.saturating_add(RESYNC)).min(src.len());
+    (from..hi)
+        .filter(|&q| {
+            let b = src[q];
+            (b.is_ascii_digit()
+                || (b == b'-' && src.get(q + 1).is_some_and(u8::is_ascii_digit)))
+                && (q == 0 || !(is_value_byte(src[q - 1]) || is_number_byte(src[q - 1])))
+        })
+        .find_map(|q| {
+            let (e, digits) = number_at(src, q)?;
+            let alone = src.get(e).is_none_or(|&b| !b.is_ascii_alphabetic());
+            (alone && digits.starts_with(done)).then_some(digits)
+        })
+}
+
+/// The date format the request asks for (`dates as YYYY-MM-DD`, `DD/MM/YYYY`): per
+/// output group, which part (`b'Y'`, `b'M'`, `b'D'`) and its width, and the separators
+/// between them; ISO 8601 (`YYYY-MM-DD`) when the request names none.
+fn requested_date_format(src: &[u8]) -> (Vec<(u8, usize)>, Vec<Vec<u8>>) {
+    let iso = || {
+        (
+            vec![(b'Y', 4), (b'M', 2), (b'D', 2)],
+            vec![Vec::new(), b"-".to_vec(), b"-".to_vec(), Vec::new()],
+        )
+    };
+    let upper = src.to_ascii_uppercase();
+    let Some(at) = find(&upper, b"YYYY") else {
+        return iso();
+    };
+    let part = |b: u8| matches!(b, b'Y' | b'M' | b'D');
+    let sep = |b: u8| matches!(b, b'-' | b'/' | b'.');
+    let mut lo = at;
+    while lo > 0 && (part(upper[lo - 1]) || sep(upper[lo - 1])) {
+        lo -= 1;
+    }
+    let mut hi = at;
+    while hi < upper.len() && (part(upper[hi]) || sep(upper[hi])) {
+        hi += 1;
+    }
+    let spec = &upper[lo..hi];
+    let mut groups: Vec<(u8, usize)> = Vec::new();
+    let mut seps = vec![Vec::new()];
+    for &b in spec {
+        if part(b) {
+            match groups.last_mut() {
+                Some((p, w)) if *p == b && seps.last().is_some_and(Vec::is_empty) => *w += 1,
+                _ => {
+                    groups.push((b, 1));
+                    seps.push(Vec::new());
+                }
+            }
+        } else if let Some(s) = seps.last_mut() {
+            s.push(b);
+        }
+    }
+    let mut parts: Vec<u8> = groups.iter().map(|g| g.0).collect();
+    parts.sort_unstable();
+    if parts != b"DMY" || seps.first().is_some_and(|s| !s.is_empty()) {
+        return iso();
+    }
+    (groups, seps)
+}
+
+/// A first record's date: the first date in `src` from `from` on (within [`RESYNC`]
+/// bytes) written in words (`3 March 2024`, `March 3, 2024`: a month name and a 4-digit
+/// year), in the format the request asks for ([`requested_date_format`]).
+fn first_date(src: &[u8], from: usize) -> Option<Vec<u8>> {
+    let hi = (from.saturating_add(RESYNC)).min(src.len());
+    let (year, month, day) = (from..hi)
+        .filter(|&q| src[q].is_ascii_alphanumeric() && (q == 0 || !src[q - 1].is_ascii_alphanumeric()))
+        .find_map(|q| {
+            let (vals, _) = date_words(src, q, 3)?;
+            let m = (0..3).find(|&k| word_is_month(src, q, k))?;
+            let y = (0..3).find(|&k| k != m && (1000..=9999).contains(&vals[k]))?;
+            let d = (0..3).find(|&k| k != m && k != y)?;
+            (1..=31).contains(&vals[d]).then_some((vals[y], vals[m], vals[d]))
+        })?;
+    let (groups, seps) = requested_date_format(src);
+    let mut out = seps[0].clone();
+    for (i, &(p, w)) in groups.iter().enumerate() {
+        let v = match p {
+            b'Y' => year,
+            b'M' => month,
+            _ => day,
+        };
+        out.extend(format!("{v:0w$}").bytes());
+        out.extend_from_slice(&seps[i + 1]);
+    }
+    Some(out)
+}
+
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     if needle.is_empty() || needle.len() > hay.len() {
         return None;
@@ -1069,6 +1311,14 @@ impl PromptTextDrafter {
         if st.located.is_empty() && (writing || st.in_number) {
             return self.first_value(&st.buf);
         }
+        if st.in_number
+            && !st.written.contains(&key)
+            && let Some(last) = st.located.last()
+        {
+            // A first record's number: the next one in the prompt.
+            let digits = first_number(&self.src, last.end, &st.buf)?;
+            return digits.strip_prefix(st.buf.as_slice()).map(<[u8]>::to_vec);
+        }
         let (field, from) = st.predict(&self.src, &key)?;
         let src = &self.src;
         let q = unquoted(src, field);
@@ -1134,6 +1384,33 @@ impl PromptTextDrafter {
         Some(text.to_vec())
     }
 
+    /// `text` as the model would write it: re-encoded on its own (a cut inside a
+    /// character leaves the valid part).
+    fn encode(&self, text: &[u8]) -> Vec<u32> {
+        let text = match std::str::from_utf8(text) {
+            Ok(t) => t,
+            Err(e) => std::str::from_utf8(&text[..e.valid_up_to()]).unwrap_or_default(),
+        };
+        if text.is_empty() {
+            return Vec::new();
+        }
+        self.tok.encode(text, EncodeOptions::plain_text())
+    }
+
+    /// Drafts `tokens` while the mirror takes them and `out` holds fewer than `k`;
+    /// returns how many it took.
+    fn push(&self, tokens: &[u32], k: usize, mirror: &mut Mirror<'_>, out: &mut DraftProposal) -> usize {
+        let mut n = 0;
+        for &t in tokens {
+            if out.tokens.len() >= k || !mirror.try_push(t) {
+                break;
+            }
+            out.tokens.push(t);
+            n += 1;
+        }
+        n
+    }
+
     /// The rest of the output's first value (nothing located yet) once it has begun:
     /// the first word of the request's text (the longest part of the prompt between
     /// special tokens, after the instructions) that starts with what was written, up to
@@ -1166,6 +1443,90 @@ impl PromptTextDrafter {
             .take_while(|&&b| is_value_byte(b) || b"-:./@+_".contains(&b))
             .count();
         (n > 0).then(|| src[start..start + n].to_vec())
+    }
+
+    /// Texts the output may go on with where the prompt text predicts nothing (more), most
+    /// likely first, for the grammar mirror to choose among: a first record's syntax by
+    /// the layout the output showed (after a key: its colon and a string, an object, an
+    /// array of objects, or a number; after a value: the next member, else closings;
+    /// after an opening: the first member), the end of a value written whole, and a first
+    /// record's date in the requested format.
+    fn fallbacks(&self, st: &State) -> Vec<Vec<u8>> {
+        if st.stack.is_empty() || st.escape {
+            return Vec::new();
+        }
+        let src = &self.src;
+        let from = st.located.last().map_or(0, |l| l.end);
+        let joined = |head: &[u8], tails: Vec<Vec<u8>>| -> Vec<Vec<u8>> {
+            tails
+                .into_iter()
+                .map(|t| [head, t.as_slice()].concat())
+                .collect()
+        };
+        let rest = |done: &[u8], all: Vec<Vec<u8>>| -> Vec<Vec<u8>> {
+            all.into_iter()
+                .filter_map(|v| {
+                    v.strip_prefix(done)
+                        .filter(|r| !r.is_empty())
+                        .map(<[u8]>::to_vec)
+                })
+                .collect()
+        };
+        // After a key's closing quote: its colon and the value's opening.
+        let after_key = || -> Vec<Vec<u8>> {
+            let Some(colon) = st.colon() else {
+                return Vec::new();
+            };
+            let mut all = joined(&colon, st.value_opens());
+            if let Some(n) = first_number(src, from, b"") {
+                all.push([colon.as_slice(), &n].concat());
+            }
+            all.push(colon);
+            all
+        };
+        if st.in_string && st.string_is_key {
+            return joined(b"\"", after_key());
+        }
+        if let Some(p) = &st.post_buf {
+            return rest(p, after_key());
+        }
+        let whole = || self.predict_text(st).is_some_and(|t| t.is_empty());
+        if st.in_string {
+            let mut all = Vec::new();
+            if whole() {
+                all = joined(b"\"", st.after_value());
+            }
+            if !st.written.contains(&st.key())
+                && let Some(date) = first_date(src, from)
+            {
+                all.extend(rest(&st.buf, vec![date]));
+            }
+            return all;
+        }
+        if st.in_number || st.in_literal {
+            return if whole() { st.after_value() } else { Vec::new() };
+        }
+        let d = st.stack.len();
+        let object = st.stack.last().is_some_and(|f| f.object);
+        let first = |after_comma: bool| -> Vec<Vec<u8>> {
+            let Some(nl) = st.newline(d, after_comma) else {
+                return Vec::new();
+            };
+            let open = if object {
+                Some(b"\"".to_vec())
+            } else {
+                st.open_object(d)
+            };
+            open.map(|o| vec![[nl.as_slice(), &o].concat()])
+                .unwrap_or_default()
+        };
+        let all = match st.last_sig {
+            b'[' | b'{' => first(false),
+            b',' => first(true),
+            b':' => Vec::new(),
+            _ => st.after_value(),
+        };
+        rest(&st.ws, all)
     }
 
     /// The text the output continues with: the rest of the value being written (from
@@ -1257,20 +1618,43 @@ impl Drafter for PromptTextDrafter {
         self.ensure_prompt(ctx.tokens, ctx.prompt_len);
         let mut st = self.state.clone();
         self.advance(&mut st, &ctx.tokens[self.seen.min(ctx.tokens.len())..]);
-        let text = self.draft_text(&mut st);
-        let text = match std::str::from_utf8(&text) {
-            Ok(t) => t,
-            // Cut inside a character: the valid part.
-            Err(e) => std::str::from_utf8(&text[..e.valid_up_to()]).unwrap_or_default(),
-        };
-        if text.is_empty() {
-            return out;
-        }
-        for t in self.tok.encode(text, EncodeOptions::plain_text()) {
-            if out.tokens.len() >= k || !mirror.try_push(t) {
+        for _ in 0..MAX_PARTS {
+            let before = out.tokens.len();
+            // What the prompt text predicts; where the mirror refuses a token, the state
+            // goes back to the tokens it took.
+            let base = st.clone();
+            let text = self.draft_text(&mut st);
+            let tokens = self.encode(&text);
+            let took = self.push(&tokens, k, mirror, &mut out);
+            if took < tokens.len() {
+                st = base;
+                self.advance(&mut st, &out.tokens[before..]);
+            }
+            if out.tokens.len() >= k || mirror.is_stopped() {
                 break;
             }
-            out.tokens.push(t);
+            // Then the likeliest way on the grammar allows whole, else the one it allows
+            // furthest.
+            let mut best: Option<(Vec<u32>, usize)> = None;
+            for c in self.fallbacks(&st) {
+                let tokens = self.encode(&c);
+                let n = mirror.accepted_prefix(&tokens);
+                if n == tokens.len() && n > 0 {
+                    best = Some((tokens, n));
+                    break;
+                }
+                if n > best.as_ref().map_or(0, |b| b.1) {
+                    best = Some((tokens, n));
+                }
+            }
+            let from = out.tokens.len();
+            if let Some((tokens, n)) = best {
+                self.push(&tokens[..n], k, mirror, &mut out);
+                self.advance(&mut st, &out.tokens[from..]);
+            }
+            if out.tokens.len() == before || out.tokens.len() >= k || mirror.is_stopped() {
+                break;
+            }
         }
         if !out.tokens.is_empty() {
             out.source = Some(DrafterKind::PromptText);
