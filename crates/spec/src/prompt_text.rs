@@ -386,6 +386,14 @@ impl State {
                 self.post.insert(self.key(), p.clone());
                 self.last_post = Some(p);
             }
+        } else if matches!(b, b'{' | b'[')
+            && !self.in_string
+            && let Some(p) = self.post_buf.take()
+            && p.len() <= MAX_CONTEXT
+        {
+            // A key's value is an object or an array: what followed the key ends at its
+            // opening (not the colon other keys' values follow).
+            self.post.insert(self.key(), p);
         }
         if !self.in_string {
             self.track_layout(b);
@@ -449,6 +457,10 @@ impl State {
     /// Learns the layout from a byte outside strings (before the scanner acts on it).
     fn track_layout(&mut self, b: u8) {
         if self.stack.is_empty() {
+            if matches!(b, b'{' | b'[') {
+                self.ws.clear();
+                self.last_sig = b;
+            }
             return;
         }
         if b.is_ascii_whitespace() {
@@ -1445,6 +1457,22 @@ impl PromptTextDrafter {
         (n > 0).then(|| src[start..start + n].to_vec())
     }
 
+    /// Whether a predicted value of `key` ends where predicted: a number, a mapped value,
+    /// a key located before, or (a first record) a delimiter after the value before that
+    /// is more than a space.
+    fn sure_end(&self, st: &State, key: &[u8]) -> bool {
+        st.in_number
+            || st.numeric.contains(key)
+            || st.literal.contains(key)
+            || st.formats.contains_key(key)
+            || st.located.iter().any(|l| l.key == key)
+            || st.located.last().is_some_and(|l| {
+                right_context(&self.src, l.end, &[l])
+                    .iter()
+                    .any(|&b| b != b' ')
+            })
+    }
+
     /// Texts the output may go on with where the prompt text predicts nothing (more), most
     /// likely first, for the grammar mirror to choose among: a first record's syntax by
     /// the layout the output showed (after a key: its colon and a string, an object, an
@@ -1490,7 +1518,9 @@ impl PromptTextDrafter {
         if let Some(p) = &st.post_buf {
             return rest(p, after_key());
         }
-        let whole = || self.predict_text(st).is_some_and(|t| t.is_empty());
+        let whole = || {
+            self.predict_text(st).is_some_and(|t| t.is_empty()) && self.sure_end(st, &st.key())
+        };
         if st.in_string {
             let mut all = Vec::new();
             if whole() {
@@ -1568,16 +1598,7 @@ impl PromptTextDrafter {
             // Whether the value ends where predicted: a number, a mapped value, a key
             // located before, or (a first record) a delimiter after the value before
             // that is more than a space.
-            let sure_end = st.in_number
-                || st.numeric.contains(&key)
-                || st.literal.contains(&key)
-                || st.formats.contains_key(&key)
-                || st.located.iter().any(|l| l.key == key)
-                || st.located.last().is_some_and(|l| {
-                    right_context(&self.src, l.end, &[l])
-                        .iter()
-                        .any(|&b| b != b' ')
-                });
+            let sure_end = self.sure_end(st, &key);
             push(st, &value, &mut text);
             let Some(gap) = st.gaps.get(&st.key()).cloned() else {
                 // No gap learned after this key yet (a first record): the value ends
