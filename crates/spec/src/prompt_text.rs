@@ -1207,6 +1207,10 @@ fn requested_date_format(src: &[u8]) -> (Vec<(u8, usize)>, Vec<Vec<u8>>) {
             s.push(b);
         }
     }
+    // Punctuation after the format (`YYYY-MM-DD.`) is the sentence's.
+    if let Some(last) = seps.last_mut() {
+        last.clear();
+    }
     let mut parts: Vec<u8> = groups.iter().map(|g| g.0).collect();
     parts.sort_unstable();
     if parts != b"DMY" || seps.first().is_some_and(|s| !s.is_empty()) {
@@ -1513,6 +1517,10 @@ impl PromptTextDrafter {
             all
         };
         if st.in_string && st.string_is_key {
+            // The key's end (the grammar refuses it before the key is whole).
+            if st.buf.is_empty() {
+                return Vec::new();
+            }
             return joined(b"\"", after_key());
         }
         if let Some(p) = &st.post_buf {
@@ -1639,7 +1647,12 @@ impl Drafter for PromptTextDrafter {
         self.ensure_prompt(ctx.tokens, ctx.prompt_len);
         let mut st = self.state.clone();
         self.advance(&mut st, &ctx.tokens[self.seen.min(ctx.tokens.len())..]);
-        for _ in 0..MAX_PARTS {
+        for round in 0..MAX_PARTS {
+            // A key just opened: the grammar forces it (the chain drafts the forced tokens,
+            // then asks again).
+            if round > 0 && st.in_string && st.string_is_key && st.buf.is_empty() {
+                break;
+            }
             let before = out.tokens.len();
             // What the prompt text predicts; where the mirror refuses a token, the state
             // goes back to the tokens it took.
@@ -1751,6 +1764,70 @@ mod tests {
         fn is_finished(&self) -> bool {
             false
         }
+    }
+
+    /// A constraint that refuses some bytes (the byte tokenizer's ids) and allows the rest:
+    /// a stand-in for a grammar that, say, closes an object here (no `,`) or wants a
+    /// number (no `"`).
+    struct Refuse(&'static [u8]);
+    impl sampling::TokenConstraint for Refuse {
+        fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), sampling::ConstraintError> {
+            mask.fill_words(256, |_| u64::MAX);
+            Ok(())
+        }
+        fn accepts(&mut self, t: u32) -> bool {
+            !self.0.iter().any(|&b| u32::from(b) == t)
+        }
+        fn consume(&mut self, t: u32) -> Result<(), sampling::ConstraintError> {
+            if self.accepts(t) {
+                Ok(())
+            } else {
+                Err(sampling::ConstraintError::TokenRejected {
+                    token: t,
+                    text: String::new(),
+                    position: 0,
+                })
+            }
+        }
+        fn rollback(&mut self, _: usize) -> Result<(), sampling::ConstraintError> {
+            Ok(())
+        }
+        fn fork(&self) -> Box<dyn sampling::TokenConstraint> {
+            Box::new(Refuse(self.0))
+        }
+        fn is_finished(&self) -> bool {
+            false
+        }
+    }
+
+    /// The draft under a constraint that refuses `refused`.
+    fn draft_refusing(
+        d: &mut PromptTextDrafter,
+        tokens: &[u32],
+        prompt_len: usize,
+        refused: &'static [u8],
+    ) -> String {
+        let params = SamplingParams::greedy();
+        let never = TokenMask::new(256);
+        let ctx = DraftContext {
+            tokens,
+            prompt_len,
+            params: &params,
+            never: &never,
+            max_tokens: 64,
+            max_draft: 64,
+            kind_caps: &[],
+            allow_costly: true,
+            bars: &[],
+            eos_ends: false,
+            eos: &[],
+            target: None,
+        };
+        let mut g = Refuse(refused);
+        let mut m = Mirror::new(&mut g, 256);
+        let p = d.propose(&ctx, &mut m);
+        let b: Vec<u8> = p.tokens.iter().map(|&t| t as u8).collect();
+        String::from_utf8_lossy(&b).into_owned()
     }
 
     fn draft(d: &mut PromptTextDrafter, tokens: &[u32], prompt_len: usize) -> String {
@@ -2090,9 +2167,122 @@ mod tests {
         first.extend(enc(&tok, "[{\"first\":\"Ada\",\"last\":\""));
         let mut d = PromptTextDrafter::new(tok.clone());
         assert_eq!(draft(&mut d, &first, spaced.len()), "Lovelace");
-        // Inside an object key before any value: nothing known.
+        // Inside an object key before any value: only the key's end by the layout
+        // (compact: `":`) and a value's opening, which a grammar refuses while the key
+        // goes on.
         let mut d = PromptTextDrafter::new(tok.clone());
-        assert_eq!(draft(&mut d, &enc(&tok, "[{\"na"), 0), "");
+        assert_eq!(draft(&mut d, &enc(&tok, "[{\"na"), 0), "\":\"");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft_refusing(&mut d, &enc(&tok, "[{\"na"), 0, b"\""), "");
+    }
+
+    #[test]
+    fn the_layout_is_learned_from_the_output() {
+        let feed = |text: &str| {
+            let mut st = State::default();
+            for &b in text.as_bytes() {
+                st.feed(b"", b);
+            }
+            st.layout
+        };
+        let pretty = feed("[\n   {\n      \"a\": 1");
+        assert_eq!((pretty.pretty, pretty.indent), (Some(true), Some(3)));
+        let compact = feed("[{\"a\": 1, \"b\"");
+        assert_eq!(compact.pretty, Some(false));
+        assert_eq!(compact.comma_space, Some(true));
+        let tight = feed("[{\"a\":1,\"b\"");
+        assert_eq!(tight.comma_space, Some(false));
+        assert_eq!(feed("[").pretty, None);
+    }
+
+    #[test]
+    fn a_first_records_syntax_follows_the_layout_where_the_grammar_allows_it() {
+        let tok = tokenizer();
+        let prompt = enc(&tok, "Ada,12,London\nAlan,7,Wilmslow\n");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let draft_after = |d: &mut PromptTextDrafter, out: &str, refused: &'static [u8]| {
+            let mut toks = prompt.clone();
+            toks.extend(enc(&tok, out));
+            draft_refusing(d, &toks, prompt.len(), refused)
+        };
+        // A pretty output's first record opens at 2 spaces a depth until it shows its
+        // own indent (the grammar forces the key after the quote).
+        assert_eq!(draft_after(&mut d, "[\n", b""), "  {\n    \"");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft_after(&mut d, "[\n   {\n", b""), "      \"");
+        // After a key: its colon and a string's opening quote; a grammar that refuses the
+        // quote (a number) gets the next number of the prompt.
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft_after(&mut d, "[\n  {\n    \"name\"", b""), ": \"");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft_after(&mut d, "[\n  {\n    \"name\"", b"\"{["), ": 12");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let out = "[\n  {\n    \"name\": \"Ada\",\n    \"n\"";
+        assert_eq!(draft_after(&mut d, out, b"\"{["), ": 12,\n    ");
+        // After a number that is whole: the next member, else (the grammar refuses `,`:
+        // the object is complete) the closings.
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let out = "[\n  {\n    \"name\": \"Ada\",\n    \"n\": 12";
+        assert_eq!(draft_after(&mut d, out, b""), ",\n    \"");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft_after(&mut d, out, b","), "\n  }\n]");
+        // A compact output: no newlines.
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(
+            draft_after(&mut d, "[{\"name\":\"Ada\",\"n\":12", b""),
+            ",\""
+        );
+    }
+
+    #[test]
+    fn a_first_records_date_takes_the_requested_format() {
+        assert_eq!(
+            first_date(b"issued on 3 March 2024 for", 0).as_deref(),
+            Some(&b"2024-03-03"[..])
+        );
+        assert_eq!(
+            first_date(b"Dates as DD/MM/YYYY. Paid Sept 9, 2023.", 0).as_deref(),
+            Some(&b"09/09/2023"[..])
+        );
+        // Only from `from` on; no month name or no year: no date.
+        assert_eq!(first_date(b"3 March 2024, then", 5), None);
+        assert_eq!(first_date(b"on 3 4 2024", 0), None);
+        assert_eq!(first_date(b"on 3 March", 0), None);
+        let tok = tokenizer();
+        let prompt = enc(&tok, "Invoice INV-7 was issued on 17 April 2024.\n");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(&tok, "[{\"invoice\":\"INV-7\",\"issued\":\""));
+        // The grammar wants digits (a date pattern): the prompt's words are refused.
+        let letters: &'static [u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ";
+        assert_eq!(draft_refusing(&mut d, &toks, prompt.len(), letters), "2024-04-17");
+    }
+
+    #[test]
+    fn a_first_records_number_is_the_next_one_standing_alone() {
+        assert_eq!(
+            first_number(b"- 2 x Beans 1kg @ 18.50", 4, b"").as_deref(),
+            Some(&b"18.50"[..])
+        );
+        assert_eq!(
+            first_number(b"total of $1,234.50, due in 30 days", 0, b"").as_deref(),
+            Some(&b"1234.50"[..])
+        );
+        assert_eq!(
+            first_number(b"total of $1,234.50, due in 30 days", 0, b"3").as_deref(),
+            Some(&b"30"[..])
+        );
+        assert_eq!(first_number(b"v1 and 2kg", 0, b""), None);
+    }
+
+    #[test]
+    fn the_mirror_counts_the_tokens_it_would_take_without_taking_them() {
+        let mut g = Refuse(b",");
+        let mut m = Mirror::new(&mut g, 256);
+        assert_eq!(m.accepted_prefix(&[u32::from(b'a'), u32::from(b','), 0]), 1);
+        assert_eq!(m.advanced(), 0);
+        assert!(m.try_push(u32::from(b'a')));
+        assert_eq!(Mirror::unconstrained().accepted_prefix(&[1, 2, 3]), 3);
     }
 
     #[test]
