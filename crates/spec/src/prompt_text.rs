@@ -267,8 +267,7 @@ impl State {
         let mut closed = Vec::new();
         for d in (1..=self.stack.len()).rev() {
             let object = self.stack[d - 1].object;
-            let (Some(nl), Some(back)) = (self.newline(d, true), self.newline(d - 1, false))
-            else {
+            let (Some(nl), Some(back)) = (self.newline(d, true), self.newline(d - 1, false)) else {
                 return out;
             };
             let mut next = closed.clone();
@@ -477,7 +476,7 @@ impl State {
             if self.layout.indent.is_none()
                 && depth > 0
                 && spaces > 0
-                && spaces % depth == 0
+                && spaces.is_multiple_of(depth)
                 && self.ws[nl + 1..].iter().all(|&c| c == b' ')
             {
                 self.layout.indent = Some(spaces / depth);
@@ -1156,8 +1155,7 @@ fn first_number(src: &[u8], from: usize, done: &[u8]) -> Option<Vec<u8>> {
     (from..hi)
         .filter(|&q| {
             let b = src[q];
-            (b.is_ascii_digit()
-                || (b == b'-' && src.get(q + 1).is_some_and(u8::is_ascii_digit)))
+            (b.is_ascii_digit() || (b == b'-' && src.get(q + 1).is_some_and(u8::is_ascii_digit)))
                 && (q == 0 || !(is_value_byte(src[q - 1]) || is_number_byte(src[q - 1])))
         })
         .find_map(|q| {
@@ -1225,13 +1223,17 @@ fn requested_date_format(src: &[u8]) -> (Vec<(u8, usize)>, Vec<Vec<u8>>) {
 fn first_date(src: &[u8], from: usize) -> Option<Vec<u8>> {
     let hi = (from.saturating_add(RESYNC)).min(src.len());
     let (year, month, day) = (from..hi)
-        .filter(|&q| src[q].is_ascii_alphanumeric() && (q == 0 || !src[q - 1].is_ascii_alphanumeric()))
+        .filter(|&q| {
+            src[q].is_ascii_alphanumeric() && (q == 0 || !src[q - 1].is_ascii_alphanumeric())
+        })
         .find_map(|q| {
             let (vals, _) = date_words(src, q, 3)?;
             let m = (0..3).find(|&k| word_is_month(src, q, k))?;
             let y = (0..3).find(|&k| k != m && (1000..=9999).contains(&vals[k]))?;
             let d = (0..3).find(|&k| k != m && k != y)?;
-            (1..=31).contains(&vals[d]).then_some((vals[y], vals[m], vals[d]))
+            (1..=31)
+                .contains(&vals[d])
+                .then_some((vals[y], vals[m], vals[d]))
         })?;
     let (groups, seps) = requested_date_format(src);
     let mut out = seps[0].clone();
@@ -1415,7 +1417,13 @@ impl PromptTextDrafter {
 
     /// Drafts `tokens` while the mirror takes them and `out` holds fewer than `k`;
     /// returns how many it took.
-    fn push(&self, tokens: &[u32], k: usize, mirror: &mut Mirror<'_>, out: &mut DraftProposal) -> usize {
+    fn push(
+        &self,
+        tokens: &[u32],
+        k: usize,
+        mirror: &mut Mirror<'_>,
+        out: &mut DraftProposal,
+    ) -> usize {
         let mut n = 0;
         for &t in tokens {
             if out.tokens.len() >= k || !mirror.try_push(t) {
@@ -1526,9 +1534,8 @@ impl PromptTextDrafter {
         if let Some(p) = &st.post_buf {
             return rest(p, after_key());
         }
-        let whole = || {
-            self.predict_text(st).is_some_and(|t| t.is_empty()) && self.sure_end(st, &st.key())
-        };
+        let whole =
+            || self.predict_text(st).is_some_and(|t| t.is_empty()) && self.sure_end(st, &st.key());
         if st.in_string {
             let mut all = Vec::new();
             if whole() {
@@ -1542,7 +1549,11 @@ impl PromptTextDrafter {
             return all;
         }
         if st.in_number || st.in_literal {
-            return if whole() { st.after_value() } else { Vec::new() };
+            return if whole() {
+                st.after_value()
+            } else {
+                Vec::new()
+            };
         }
         let d = st.stack.len();
         let object = st.stack.last().is_some_and(|f| f.object);
@@ -2255,7 +2266,10 @@ mod tests {
         toks.extend(enc(&tok, "[{\"invoice\":\"INV-7\",\"issued\":\""));
         // The grammar wants digits (a date pattern): the prompt's words are refused.
         let letters: &'static [u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ";
-        assert_eq!(draft_refusing(&mut d, &toks, prompt.len(), letters), "2024-04-17");
+        assert_eq!(
+            draft_refusing(&mut d, &toks, prompt.len(), letters),
+            "2024-04-17"
+        );
     }
 
     #[test]
