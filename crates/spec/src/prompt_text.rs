@@ -26,8 +26,13 @@
 //! wrote them in the previous record), so one proposal chains value, gap, value, … through
 //! a whole record. In a first record (no gap learned yet) it drafts what followed keys so
 //! far (`": "`) and, where a value's end is sure, the separator before the next key (the
-//! grammar forces the key). The output's first value continues the first word of the
-//! request that starts with what was written. The text is re-encoded on its own, which is
+//! grammar forces the key). Where nothing more is predicted (a first record), the ways
+//! the output can go on by its layout (pretty-printed with its indent, or compact: a
+//! key's colon and a value's opening, the next member or the closings after a value, the
+//! first member after an opening), a first record's next number, and its date in the
+//! format the request names are offered to the grammar mirror, which picks the first it
+//! takes whole. The output's first value continues the first word of the request that
+//! starts with what was written. The text is re-encoded on its own, which is
 //! how a model writes what it copies, and every token passes the grammar mirror. It
 //! drafts only under a constraint, inside JSON: free text is the other drafters' business.
 
