@@ -595,6 +595,12 @@ impl State {
                 .count();
             return (n > 0).then_some((last.end + n, last.end));
         }
+        if known.is_none()
+            && !self.written.contains(key)
+            && let Some(q) = self.labelled(src, key, last.end)
+        {
+            return Some((q, last.end));
+        }
         let guess = known.is_none();
         let (from, left, n) = known.or_else(next_field)?;
         if guess {
@@ -614,6 +620,55 @@ impl State {
         (0..left.len())
             .find_map(|cut| nth_after(src, from, &left[cut..], n))
             .map(|q| (q, from))
+    }
+
+    /// A first record's field the prompt names (`customer: Maria Rossi`, `Unit price =
+    /// 4`): within [`MAX_VALUE`] bytes after `from`, the start of the value after the
+    /// key's name (its last part, or the enclosing object's name for its first field;
+    /// case, `_` and `-` aside) and a `:` or `=`.
+    fn labelled(&self, src: &[u8], key: &[u8], from: usize) -> Option<usize> {
+        let mut parts = key.rsplit(|&b| b == b'/');
+        let own = parts.next()?;
+        let mut names = vec![own];
+        if let Some(parent) = parts.next() {
+            let prefix = &key[..key.len() - own.len()];
+            if !self.written.iter().any(|w| w.starts_with(prefix)) {
+                names.push(parent);
+            }
+        }
+        let norm = |b: u8| match b.to_ascii_lowercase() {
+            b'_' | b'-' => b' ',
+            c => c,
+        };
+        let hi = (from.saturating_add(MAX_VALUE)).min(src.len());
+        (from..hi).find_map(|q| {
+            if q > 0 && is_value_byte(src[q - 1]) {
+                return None;
+            }
+            let name = names.iter().find(|n| {
+                n.len() >= 2
+                    && src.len() >= q + n.len()
+                    && src[q..q + n.len()]
+                        .iter()
+                        .zip(n.iter())
+                        .all(|(&a, &b)| norm(a) == norm(b))
+                    && !src.get(q + n.len()).is_some_and(|&b| is_value_byte(b))
+            })?;
+            let mut i = q + name.len();
+            while src.get(i) == Some(&b' ') {
+                i += 1;
+            }
+            if !matches!(src.get(i), Some(b':' | b'=')) {
+                return None;
+            }
+            i += 1;
+            while src.get(i) == Some(&b' ') {
+                i += 1;
+            }
+            src.get(i)
+                .is_some_and(|&b| is_value_byte(b) || b == b'"')
+                .then_some(i)
+        })
     }
 
     /// A `true`, `false` or `null` of the current key was completed: the prompt word at
@@ -1379,6 +1434,7 @@ impl PromptTextDrafter {
             .filter(|l| l.key == key)
             .take(KEEP)
             .collect();
+        let first = own.is_empty();
         if own.is_empty()
             && let Some(last) = st.located.last()
         {
@@ -1400,6 +1456,17 @@ impl PromptTextDrafter {
                 .and_then(|&b0| find(window, &right).or_else(|| find(window, &[b0])))
                 .or_else(|| window.iter().position(|&b| b == SPECIAL))
                 .unwrap_or(window.len());
+        // A first record's unquoted value ends no later than a delimiter that unquoted
+        // values do not hold (`Maria Rossi, maria@…`).
+        let in_quotes = quoted || (q > 0 && src[q - 1] == b'"');
+        let end = if first && !in_quotes {
+            src[start..end]
+                .iter()
+                .position(|b| b",;)\n\t|<".contains(b))
+                .map_or(end, |p| start + p)
+        } else {
+            end
+        };
         let text = &src[start..end];
         if text.contains(&SPECIAL) || (text.is_empty() && done.is_empty()) {
             return None;
@@ -2190,6 +2257,27 @@ mod tests {
         assert_eq!(draft(&mut d, &enc(&tok, "[{\"na"), 0), "\":\"");
         let mut d = PromptTextDrafter::new(tok.clone());
         assert_eq!(draft_refusing(&mut d, &enc(&tok, "[{\"na"), 0, b"\""), "");
+    }
+
+    #[test]
+    fn a_first_records_field_named_in_the_prompt_is_drafted_after_its_name() {
+        let tok = tokenizer();
+        let text = "Order A-1 (customer: Maria Rossi, maria@example.com)\n\
+                    Order A-2 (customer: Kenji Sato, kenji@example.com)\n";
+        let prompt = enc(&tok, text);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        // `name` of `customer`: the enclosing object's name labels its first field.
+        toks.extend(enc(&tok, "[{\"id\":\"A-1\",\"customer\":{\"name\":\""));
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "Maria Rossi");
+        // Not its later fields, and not a name the prompt does not write.
+        toks.extend(enc(&tok, "Maria Rossi\",\"email\":\""));
+        let mut st = d.state.clone();
+        d.advance(&mut st, &toks[d.seen..]);
+        let at = |w: &str| text.find(w);
+        assert_eq!(st.labelled(&d.src, b"customer/email", 0), None);
+        assert_eq!(st.labelled(&d.src, b"customer", 0), at("Maria"));
+        assert_eq!(st.labelled(&d.src, b"Customer", 30), at("Kenji"));
     }
 
     #[test]
