@@ -384,6 +384,23 @@ impl<'a> Mirror<'a> {
         true
     }
 
+    /// How many of `tokens`, in order from the current position, the mirror would accept
+    /// (checked on a fork of the constraint: the mirror itself does not advance). All of
+    /// them when unconstrained; none once stopped.
+    pub fn accepted_prefix(&mut self, tokens: &[u32]) -> usize {
+        if self.stopped {
+            return 0;
+        }
+        let Some(inner) = self.inner.as_ref() else {
+            return tokens.len();
+        };
+        let mut fork = inner.fork();
+        tokens
+            .iter()
+            .take_while(|&&t| !fork.is_finished() && fork.accepts(t) && fork.consume(t).is_ok())
+            .count()
+    }
+
     /// Checks and advances in one call: false (nothing changed, or stopped) when `token`
     /// is not allowed.
     pub fn try_push(&mut self, token: u32) -> bool {

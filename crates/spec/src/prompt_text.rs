@@ -26,8 +26,13 @@
 //! wrote them in the previous record), so one proposal chains value, gap, value, … through
 //! a whole record. In a first record (no gap learned yet) it drafts what followed keys so
 //! far (`": "`) and, where a value's end is sure, the separator before the next key (the
-//! grammar forces the key). The output's first value continues the first word of the
-//! request that starts with what was written. The text is re-encoded on its own, which is
+//! grammar forces the key). Where nothing more is predicted (a first record), the ways
+//! the output can go on by its layout (pretty-printed with its indent, or compact: a
+//! key's colon and a value's opening, the next member or the closings after a value, the
+//! first member after an opening), a first record's next number, and its date in the
+//! format the request names are offered to the grammar mirror, which picks the first it
+//! takes whole. The output's first value continues the first word of the request that
+//! starts with what was written. The text is re-encoded on its own, which is
 //! how a model writes what it copies, and every token passes the grammar mirror. It
 //! drafts only under a constraint, inside JSON: free text is the other drafters' business.
 
@@ -138,6 +143,25 @@ struct State {
     /// Key path → the gap that followed its value the last time (the record's syntax up
     /// to the next value, as the model wrote it).
     gaps: HashMap<Vec<u8>, Vec<u8>>,
+    /// The output's layout, as far as it has shown it.
+    layout: Layout,
+    /// Whitespace written outside strings since the last other byte.
+    ws: Vec<u8>,
+    /// The last byte outside strings that is not whitespace (a value string's closing
+    /// quote included), 0 before the JSON.
+    last_sig: u8,
+}
+
+/// How the output lays JSON out, learned from what it wrote: pretty-printed (a newline
+/// and an indent of `indent` spaces per depth) or compact (a space after `,` or not).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Layout {
+    /// `Some(true)`: newlines between members; `Some(false)`: none; `None`: not shown yet.
+    pretty: Option<bool>,
+    /// Spaces per depth of a pretty output.
+    indent: Option<usize>,
+    /// Compact: a space after `,`.
+    comma_space: Option<bool>,
 }
 
 /// The output between the end of one value and the start of the next.
@@ -213,6 +237,93 @@ impl State {
         }
     }
 
+    /// A new line at `depth` as the layout writes it: pretty, a newline and the indent
+    /// (2 spaces per depth until the output shows its own); compact, nothing (after a
+    /// comma: the space it was followed by). `None` while the layout is unknown.
+    fn newline(&self, depth: usize, after_comma: bool) -> Option<Vec<u8>> {
+        if self.layout.pretty? {
+            let mut v = vec![b'\n'];
+            v.resize(1 + self.layout.indent.unwrap_or(2) * depth, b' ');
+            Some(v)
+        } else {
+            Some(if after_comma && self.layout.comma_space == Some(true) {
+                b" ".to_vec()
+            } else {
+                Vec::new()
+            })
+        }
+    }
+
+    /// An object opened at `depth` (containers open around it), up to its first key's
+    /// opening quote.
+    fn open_object(&self, depth: usize) -> Option<Vec<u8>> {
+        let mut v = vec![b'{'];
+        v.extend(self.newline(depth + 1, false)?);
+        v.push(b'"');
+        Some(v)
+    }
+
+    /// The ways the output can go on after a value at the current depth ends, most
+    /// likely first: the next member of its container, else the container closes and
+    /// the next member of the one around it follows, and so on; last, everything
+    /// closes. A next member of an array is an object (records).
+    fn after_value(&self) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        let mut closed = Vec::new();
+        for d in (1..=self.stack.len()).rev() {
+            let object = self.stack[d - 1].object;
+            let (Some(nl), Some(back)) = (self.newline(d, true), self.newline(d - 1, false)) else {
+                return out;
+            };
+            let mut next = closed.clone();
+            next.push(b',');
+            next.extend(nl);
+            if object {
+                next.push(b'"');
+            } else {
+                let Some(open) = self.open_object(d) else {
+                    return out;
+                };
+                next.extend(open);
+            }
+            out.push(next);
+            closed.extend(back);
+            closed.push(if object { b'}' } else { b']' });
+        }
+        out.push(closed);
+        out
+    }
+
+    /// The bytes between a key's closing quote and its value: as the last key was
+    /// followed, else `: ` when pretty and `:` when compact.
+    fn colon(&self) -> Option<Vec<u8>> {
+        if let Some(p) = &self.last_post {
+            return Some(p.strip_suffix(b"\"").unwrap_or(p).to_vec());
+        }
+        Some(if self.layout.pretty? {
+            b": ".to_vec()
+        } else {
+            b":".to_vec()
+        })
+    }
+
+    /// The ways a value can open after a key at the current depth: a string, an object,
+    /// an array of objects.
+    fn value_opens(&self) -> Vec<Vec<u8>> {
+        let d = self.stack.len();
+        let mut out = vec![b"\"".to_vec()];
+        if let Some(o) = self.open_object(d) {
+            out.push(o);
+        }
+        if let (Some(nl), Some(o)) = (self.newline(d + 1, false), self.open_object(d + 1)) {
+            let mut a = vec![b'['];
+            a.extend(nl);
+            a.extend(o);
+            out.push(a);
+        }
+        out
+    }
+
     /// The rest of an unknown gap up to the next key's opening quote, by the separator
     /// between two values at this depth (a first record's `",\n    "`): the grammar
     /// then forces the key.
@@ -279,6 +390,17 @@ impl State {
                 self.post.insert(self.key(), p.clone());
                 self.last_post = Some(p);
             }
+        } else if matches!(b, b'{' | b'[')
+            && !self.in_string
+            && let Some(p) = self.post_buf.take()
+            && p.len() <= MAX_CONTEXT
+        {
+            // A key's value is an object or an array: what followed the key ends at its
+            // opening (not the colon other keys' values follow).
+            self.post.insert(self.key(), p);
+        }
+        if !self.in_string {
+            self.track_layout(b);
         }
         if self.in_string {
             // A key.
@@ -336,6 +458,44 @@ impl State {
         }
     }
 
+    /// Learns the layout from a byte outside strings (before the scanner acts on it).
+    fn track_layout(&mut self, b: u8) {
+        if self.stack.is_empty() {
+            if matches!(b, b'{' | b'[') {
+                self.ws.clear();
+                self.last_sig = b;
+            }
+            return;
+        }
+        if b.is_ascii_whitespace() {
+            if b == b'\n' {
+                self.layout.pretty.get_or_insert(true);
+            }
+            self.ws.push(b);
+            return;
+        }
+        let opened = matches!(self.last_sig, b'[' | b'{' | b',');
+        if let Some(nl) = self.ws.iter().rposition(|&b| b == b'\n') {
+            let spaces = self.ws.len() - nl - 1;
+            let depth = self.stack.len() - usize::from(matches!(b, b'}' | b']'));
+            if self.layout.indent.is_none()
+                && depth > 0
+                && spaces > 0
+                && spaces.is_multiple_of(depth)
+                && self.ws[nl + 1..].iter().all(|&c| c == b' ')
+            {
+                self.layout.indent = Some(spaces / depth);
+            }
+        } else if opened {
+            self.layout.pretty.get_or_insert(false);
+            if self.last_sig == b',' && self.layout.comma_space.is_none() {
+                self.layout.comma_space = Some(self.ws == b" ");
+            }
+        }
+        self.ws.clear();
+        self.last_sig = b;
+    }
+
     /// A byte inside a string value.
     fn feed_value_string(&mut self, src: &[u8], b: u8) {
         if self.escape {
@@ -346,6 +506,8 @@ impl State {
             self.buf.push(b);
         } else if b == b'"' {
             self.in_string = false;
+            self.last_sig = b;
+            self.ws.clear();
             let v = std::mem::take(&mut self.buf);
             self.numeric.remove(&self.key());
             self.complete(src, &v);
@@ -433,6 +595,12 @@ impl State {
                 .count();
             return (n > 0).then_some((last.end + n, last.end));
         }
+        if known.is_none()
+            && !self.written.contains(key)
+            && let Some(q) = self.labelled(src, key, last.end)
+        {
+            return Some((q, last.end));
+        }
         let guess = known.is_none();
         let (from, left, n) = known.or_else(next_field)?;
         if guess {
@@ -452,6 +620,55 @@ impl State {
         (0..left.len())
             .find_map(|cut| nth_after(src, from, &left[cut..], n))
             .map(|q| (q, from))
+    }
+
+    /// A first record's field the prompt names (`customer: Maria Rossi`, `Unit price =
+    /// 4`): within [`MAX_VALUE`] bytes after `from`, the start of the value after the
+    /// key's name (its last part, or the enclosing object's name for its first field;
+    /// case, `_` and `-` aside) and a `:` or `=`.
+    fn labelled(&self, src: &[u8], key: &[u8], from: usize) -> Option<usize> {
+        let mut parts = key.rsplit(|&b| b == b'/');
+        let own = parts.next()?;
+        let mut names = vec![own];
+        if let Some(parent) = parts.next() {
+            let prefix = &key[..key.len() - own.len()];
+            if !self.written.iter().any(|w| w.starts_with(prefix)) {
+                names.push(parent);
+            }
+        }
+        let norm = |b: u8| match b.to_ascii_lowercase() {
+            b'_' | b'-' => b' ',
+            c => c,
+        };
+        let hi = (from.saturating_add(MAX_VALUE)).min(src.len());
+        (from..hi).find_map(|q| {
+            if q > 0 && is_value_byte(src[q - 1]) {
+                return None;
+            }
+            let name = names.iter().find(|n| {
+                n.len() >= 2
+                    && src.len() >= q + n.len()
+                    && src[q..q + n.len()]
+                        .iter()
+                        .zip(n.iter())
+                        .all(|(&a, &b)| norm(a) == norm(b))
+                    && !src.get(q + n.len()).is_some_and(|&b| is_value_byte(b))
+            })?;
+            let mut i = q + name.len();
+            while src.get(i) == Some(&b' ') {
+                i += 1;
+            }
+            if !matches!(src.get(i), Some(b':' | b'=')) {
+                return None;
+            }
+            i += 1;
+            while src.get(i) == Some(&b' ') {
+                i += 1;
+            }
+            src.get(i)
+                .is_some_and(|&b| is_value_byte(b) || b == b'"')
+                .then_some(i)
+        })
     }
 
     /// A `true`, `false` or `null` of the current key was completed: the prompt word at
@@ -989,6 +1206,109 @@ fn permutations(n: usize) -> Vec<Vec<usize>> {
     }
 }
 
+/// A first record's number: the first number in `src` from `from` on (within
+/// [`RESYNC`] bytes) that stands on its own (not inside a word or a longer number, not
+/// followed by a letter: `1kg` is a product's name) and whose plain text starts with
+/// `done`; its plain text (thousands separators dropped).
+fn first_number(src: &[u8], from: usize, done: &[u8]) -> Option<Vec<u8>> {
+    let hi = (from.saturating_add(RESYNC)).min(src.len());
+    (from..hi)
+        .filter(|&q| {
+            let b = src[q];
+            (b.is_ascii_digit() || (b == b'-' && src.get(q + 1).is_some_and(u8::is_ascii_digit)))
+                && (q == 0 || !(is_value_byte(src[q - 1]) || is_number_byte(src[q - 1])))
+        })
+        .find_map(|q| {
+            let (e, digits) = number_at(src, q)?;
+            let alone = src.get(e).is_none_or(|&b| !b.is_ascii_alphabetic());
+            (alone && digits.starts_with(done)).then_some(digits)
+        })
+}
+
+/// The date format the request asks for (`dates as YYYY-MM-DD`, `DD/MM/YYYY`): per
+/// output group, which part (`b'Y'`, `b'M'`, `b'D'`) and its width, and the separators
+/// between them; ISO 8601 (`YYYY-MM-DD`) when the request names none.
+fn requested_date_format(src: &[u8]) -> (Vec<(u8, usize)>, Vec<Vec<u8>>) {
+    let iso = || {
+        (
+            vec![(b'Y', 4), (b'M', 2), (b'D', 2)],
+            vec![Vec::new(), b"-".to_vec(), b"-".to_vec(), Vec::new()],
+        )
+    };
+    let upper = src.to_ascii_uppercase();
+    let Some(at) = find(&upper, b"YYYY") else {
+        return iso();
+    };
+    let part = |b: u8| matches!(b, b'Y' | b'M' | b'D');
+    let sep = |b: u8| matches!(b, b'-' | b'/' | b'.');
+    let mut lo = at;
+    while lo > 0 && (part(upper[lo - 1]) || sep(upper[lo - 1])) {
+        lo -= 1;
+    }
+    let mut hi = at;
+    while hi < upper.len() && (part(upper[hi]) || sep(upper[hi])) {
+        hi += 1;
+    }
+    let spec = &upper[lo..hi];
+    let mut groups: Vec<(u8, usize)> = Vec::new();
+    let mut seps = vec![Vec::new()];
+    for &b in spec {
+        if part(b) {
+            match groups.last_mut() {
+                Some((p, w)) if *p == b && seps.last().is_some_and(Vec::is_empty) => *w += 1,
+                _ => {
+                    groups.push((b, 1));
+                    seps.push(Vec::new());
+                }
+            }
+        } else if let Some(s) = seps.last_mut() {
+            s.push(b);
+        }
+    }
+    // Punctuation after the format (`YYYY-MM-DD.`) is the sentence's.
+    if let Some(last) = seps.last_mut() {
+        last.clear();
+    }
+    let mut parts: Vec<u8> = groups.iter().map(|g| g.0).collect();
+    parts.sort_unstable();
+    if parts != b"DMY" || seps.first().is_some_and(|s| !s.is_empty()) {
+        return iso();
+    }
+    (groups, seps)
+}
+
+/// A first record's date: the first date in `src` from `from` on (within [`RESYNC`]
+/// bytes) written in words (`3 March 2024`, `March 3, 2024`: a month name and a 4-digit
+/// year), in the format the request asks for ([`requested_date_format`]).
+fn first_date(src: &[u8], from: usize) -> Option<Vec<u8>> {
+    let hi = (from.saturating_add(RESYNC)).min(src.len());
+    let (year, month, day) = (from..hi)
+        .filter(|&q| {
+            src[q].is_ascii_alphanumeric() && (q == 0 || !src[q - 1].is_ascii_alphanumeric())
+        })
+        .find_map(|q| {
+            let (vals, _) = date_words(src, q, 3)?;
+            let m = (0..3).find(|&k| word_is_month(src, q, k))?;
+            let y = (0..3).find(|&k| k != m && (1000..=9999).contains(&vals[k]))?;
+            let d = (0..3).find(|&k| k != m && k != y)?;
+            (1..=31)
+                .contains(&vals[d])
+                .then_some((vals[y], vals[m], vals[d]))
+        })?;
+    let (groups, seps) = requested_date_format(src);
+    let mut out = seps[0].clone();
+    for (i, &(p, w)) in groups.iter().enumerate() {
+        let v = match p {
+            b'Y' => year,
+            b'M' => month,
+            _ => day,
+        };
+        out.extend(format!("{v:0w$}").bytes());
+        out.extend_from_slice(&seps[i + 1]);
+    }
+    Some(out)
+}
+
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     if needle.is_empty() || needle.len() > hay.len() {
         return None;
@@ -1069,6 +1389,14 @@ impl PromptTextDrafter {
         if st.located.is_empty() && (writing || st.in_number) {
             return self.first_value(&st.buf);
         }
+        if st.in_number
+            && !st.written.contains(&key)
+            && let Some(last) = st.located.last()
+        {
+            // A first record's number: the next one in the prompt.
+            let digits = first_number(&self.src, last.end, &st.buf)?;
+            return digits.strip_prefix(st.buf.as_slice()).map(<[u8]>::to_vec);
+        }
         let (field, from) = st.predict(&self.src, &key)?;
         let src = &self.src;
         let q = unquoted(src, field);
@@ -1106,6 +1434,7 @@ impl PromptTextDrafter {
             .filter(|l| l.key == key)
             .take(KEEP)
             .collect();
+        let first = own.is_empty();
         if own.is_empty()
             && let Some(last) = st.located.last()
         {
@@ -1127,11 +1456,55 @@ impl PromptTextDrafter {
                 .and_then(|&b0| find(window, &right).or_else(|| find(window, &[b0])))
                 .or_else(|| window.iter().position(|&b| b == SPECIAL))
                 .unwrap_or(window.len());
+        // A first record's unquoted value ends no later than a delimiter that unquoted
+        // values do not hold (`Maria Rossi, maria@…`).
+        let in_quotes = quoted || (q > 0 && src[q - 1] == b'"');
+        let end = if first && !in_quotes {
+            src[start..end]
+                .iter()
+                .position(|b| b",;)\n\t|<".contains(b))
+                .map_or(end, |p| start + p)
+        } else {
+            end
+        };
         let text = &src[start..end];
         if text.contains(&SPECIAL) || (text.is_empty() && done.is_empty()) {
             return None;
         }
         Some(text.to_vec())
+    }
+
+    /// `text` as the model would write it: re-encoded on its own (a cut inside a
+    /// character leaves the valid part).
+    fn encode(&self, text: &[u8]) -> Vec<u32> {
+        let text = match std::str::from_utf8(text) {
+            Ok(t) => t,
+            Err(e) => std::str::from_utf8(&text[..e.valid_up_to()]).unwrap_or_default(),
+        };
+        if text.is_empty() {
+            return Vec::new();
+        }
+        self.tok.encode(text, EncodeOptions::plain_text())
+    }
+
+    /// Drafts `tokens` while the mirror takes them and `out` holds fewer than `k`;
+    /// returns how many it took.
+    fn push(
+        &self,
+        tokens: &[u32],
+        k: usize,
+        mirror: &mut Mirror<'_>,
+        out: &mut DraftProposal,
+    ) -> usize {
+        let mut n = 0;
+        for &t in tokens {
+            if out.tokens.len() >= k || !mirror.try_push(t) {
+                break;
+            }
+            out.tokens.push(t);
+            n += 1;
+        }
+        n
     }
 
     /// The rest of the output's first value (nothing located yet) once it has begun:
@@ -1166,6 +1539,115 @@ impl PromptTextDrafter {
             .take_while(|&&b| is_value_byte(b) || b"-:./@+_".contains(&b))
             .count();
         (n > 0).then(|| src[start..start + n].to_vec())
+    }
+
+    /// Whether a predicted value of `key` ends where predicted: a number, a mapped value,
+    /// a key located before, or (a first record) a delimiter after the value before that
+    /// is more than a space.
+    fn sure_end(&self, st: &State, key: &[u8]) -> bool {
+        st.in_number
+            || st.numeric.contains(key)
+            || st.literal.contains(key)
+            || st.formats.contains_key(key)
+            || st.located.iter().any(|l| l.key == key)
+            || st.located.last().is_some_and(|l| {
+                right_context(&self.src, l.end, &[l])
+                    .iter()
+                    .any(|&b| b != b' ')
+            })
+    }
+
+    /// Texts the output may go on with where the prompt text predicts nothing (more), most
+    /// likely first, for the grammar mirror to choose among: a first record's syntax by
+    /// the layout the output showed (after a key: its colon and a string, an object, an
+    /// array of objects, or a number; after a value: the next member, else closings;
+    /// after an opening: the first member), the end of a value written whole, and a first
+    /// record's date in the requested format.
+    fn fallbacks(&self, st: &State) -> Vec<Vec<u8>> {
+        if st.stack.is_empty() || st.escape {
+            return Vec::new();
+        }
+        let src = &self.src;
+        let from = st.located.last().map_or(0, |l| l.end);
+        let joined = |head: &[u8], tails: Vec<Vec<u8>>| -> Vec<Vec<u8>> {
+            tails
+                .into_iter()
+                .map(|t| [head, t.as_slice()].concat())
+                .collect()
+        };
+        let rest = |done: &[u8], all: Vec<Vec<u8>>| -> Vec<Vec<u8>> {
+            all.into_iter()
+                .filter_map(|v| {
+                    v.strip_prefix(done)
+                        .filter(|r| !r.is_empty())
+                        .map(<[u8]>::to_vec)
+                })
+                .collect()
+        };
+        // After a key's closing quote: its colon and the value's opening.
+        let after_key = || -> Vec<Vec<u8>> {
+            let Some(colon) = st.colon() else {
+                return Vec::new();
+            };
+            let mut all = joined(&colon, st.value_opens());
+            if let Some(n) = first_number(src, from, b"") {
+                all.push([colon.as_slice(), &n].concat());
+            }
+            all.push(colon);
+            all
+        };
+        if st.in_string && st.string_is_key {
+            // The key's end (the grammar refuses it before the key is whole).
+            if st.buf.is_empty() {
+                return Vec::new();
+            }
+            return joined(b"\"", after_key());
+        }
+        if let Some(p) = &st.post_buf {
+            return rest(p, after_key());
+        }
+        let whole =
+            || self.predict_text(st).is_some_and(|t| t.is_empty()) && self.sure_end(st, &st.key());
+        if st.in_string {
+            let mut all = Vec::new();
+            if whole() {
+                all = joined(b"\"", st.after_value());
+            }
+            if !st.written.contains(&st.key())
+                && let Some(date) = first_date(src, from)
+            {
+                all.extend(rest(&st.buf, vec![date]));
+            }
+            return all;
+        }
+        if st.in_number || st.in_literal {
+            return if whole() {
+                st.after_value()
+            } else {
+                Vec::new()
+            };
+        }
+        let d = st.stack.len();
+        let object = st.stack.last().is_some_and(|f| f.object);
+        let first = |after_comma: bool| -> Vec<Vec<u8>> {
+            let Some(nl) = st.newline(d, after_comma) else {
+                return Vec::new();
+            };
+            let open = if object {
+                Some(b"\"".to_vec())
+            } else {
+                st.open_object(d)
+            };
+            open.map(|o| vec![[nl.as_slice(), &o].concat()])
+                .unwrap_or_default()
+        };
+        let all = match st.last_sig {
+            b'[' | b'{' => first(false),
+            b',' => first(true),
+            b':' => Vec::new(),
+            _ => st.after_value(),
+        };
+        rest(&st.ws, all)
     }
 
     /// The text the output continues with: the rest of the value being written (from
@@ -1207,16 +1689,7 @@ impl PromptTextDrafter {
             // Whether the value ends where predicted: a number, a mapped value, a key
             // located before, or (a first record) a delimiter after the value before
             // that is more than a space.
-            let sure_end = st.in_number
-                || st.numeric.contains(&key)
-                || st.literal.contains(&key)
-                || st.formats.contains_key(&key)
-                || st.located.iter().any(|l| l.key == key)
-                || st.located.last().is_some_and(|l| {
-                    right_context(&self.src, l.end, &[l])
-                        .iter()
-                        .any(|&b| b != b' ')
-                });
+            let sure_end = self.sure_end(st, &key);
             push(st, &value, &mut text);
             let Some(gap) = st.gaps.get(&st.key()).cloned() else {
                 // No gap learned after this key yet (a first record): the value ends
@@ -1257,20 +1730,48 @@ impl Drafter for PromptTextDrafter {
         self.ensure_prompt(ctx.tokens, ctx.prompt_len);
         let mut st = self.state.clone();
         self.advance(&mut st, &ctx.tokens[self.seen.min(ctx.tokens.len())..]);
-        let text = self.draft_text(&mut st);
-        let text = match std::str::from_utf8(&text) {
-            Ok(t) => t,
-            // Cut inside a character: the valid part.
-            Err(e) => std::str::from_utf8(&text[..e.valid_up_to()]).unwrap_or_default(),
-        };
-        if text.is_empty() {
-            return out;
-        }
-        for t in self.tok.encode(text, EncodeOptions::plain_text()) {
-            if out.tokens.len() >= k || !mirror.try_push(t) {
+        for round in 0..MAX_PARTS {
+            // A key just opened: the grammar forces it (the chain drafts the forced tokens,
+            // then asks again).
+            if round > 0 && st.in_string && st.string_is_key && st.buf.is_empty() {
                 break;
             }
-            out.tokens.push(t);
+            let before = out.tokens.len();
+            // What the prompt text predicts; where the mirror refuses a token, the state
+            // goes back to the tokens it took.
+            let base = st.clone();
+            let text = self.draft_text(&mut st);
+            let tokens = self.encode(&text);
+            let took = self.push(&tokens, k, mirror, &mut out);
+            if took < tokens.len() {
+                st = base;
+                self.advance(&mut st, &out.tokens[before..]);
+            }
+            if out.tokens.len() >= k || mirror.is_stopped() {
+                break;
+            }
+            // Then the likeliest way on the grammar allows whole, else the one it allows
+            // furthest.
+            let mut best: Option<(Vec<u32>, usize)> = None;
+            for c in self.fallbacks(&st) {
+                let tokens = self.encode(&c);
+                let n = mirror.accepted_prefix(&tokens);
+                if n == tokens.len() && n > 0 {
+                    best = Some((tokens, n));
+                    break;
+                }
+                if n > best.as_ref().map_or(0, |b| b.1) {
+                    best = Some((tokens, n));
+                }
+            }
+            let from = out.tokens.len();
+            if let Some((tokens, n)) = best {
+                self.push(&tokens[..n], k, mirror, &mut out);
+                self.advance(&mut st, &out.tokens[from..]);
+            }
+            if out.tokens.len() == before || out.tokens.len() >= k || mirror.is_stopped() {
+                break;
+            }
         }
         if !out.tokens.is_empty() {
             out.source = Some(DrafterKind::PromptText);
@@ -1346,6 +1847,70 @@ mod tests {
         fn is_finished(&self) -> bool {
             false
         }
+    }
+
+    /// A constraint that refuses some bytes (the byte tokenizer's ids) and allows the rest:
+    /// a stand-in for a grammar that, say, closes an object here (no `,`) or wants a
+    /// number (no `"`).
+    struct Refuse(&'static [u8]);
+    impl sampling::TokenConstraint for Refuse {
+        fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), sampling::ConstraintError> {
+            mask.fill_words(256, |_| u64::MAX);
+            Ok(())
+        }
+        fn accepts(&mut self, t: u32) -> bool {
+            !self.0.iter().any(|&b| u32::from(b) == t)
+        }
+        fn consume(&mut self, t: u32) -> Result<(), sampling::ConstraintError> {
+            if self.accepts(t) {
+                Ok(())
+            } else {
+                Err(sampling::ConstraintError::TokenRejected {
+                    token: t,
+                    text: String::new(),
+                    position: 0,
+                })
+            }
+        }
+        fn rollback(&mut self, _: usize) -> Result<(), sampling::ConstraintError> {
+            Ok(())
+        }
+        fn fork(&self) -> Box<dyn sampling::TokenConstraint> {
+            Box::new(Refuse(self.0))
+        }
+        fn is_finished(&self) -> bool {
+            false
+        }
+    }
+
+    /// The draft under a constraint that refuses `refused`.
+    fn draft_refusing(
+        d: &mut PromptTextDrafter,
+        tokens: &[u32],
+        prompt_len: usize,
+        refused: &'static [u8],
+    ) -> String {
+        let params = SamplingParams::greedy();
+        let never = TokenMask::new(256);
+        let ctx = DraftContext {
+            tokens,
+            prompt_len,
+            params: &params,
+            never: &never,
+            max_tokens: 64,
+            max_draft: 64,
+            kind_caps: &[],
+            allow_costly: true,
+            bars: &[],
+            eos_ends: false,
+            eos: &[],
+            target: None,
+        };
+        let mut g = Refuse(refused);
+        let mut m = Mirror::new(&mut g, 256);
+        let p = d.propose(&ctx, &mut m);
+        let b: Vec<u8> = p.tokens.iter().map(|&t| t as u8).collect();
+        String::from_utf8_lossy(&b).into_owned()
     }
 
     fn draft(d: &mut PromptTextDrafter, tokens: &[u32], prompt_len: usize) -> String {
@@ -1685,9 +2250,146 @@ mod tests {
         first.extend(enc(&tok, "[{\"first\":\"Ada\",\"last\":\""));
         let mut d = PromptTextDrafter::new(tok.clone());
         assert_eq!(draft(&mut d, &first, spaced.len()), "Lovelace");
-        // Inside an object key before any value: nothing known.
+        // Inside an object key before any value: only the key's end by the layout
+        // (compact: `":`) and a value's opening, which a grammar refuses while the key
+        // goes on.
         let mut d = PromptTextDrafter::new(tok.clone());
-        assert_eq!(draft(&mut d, &enc(&tok, "[{\"na"), 0), "");
+        assert_eq!(draft(&mut d, &enc(&tok, "[{\"na"), 0), "\":\"");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft_refusing(&mut d, &enc(&tok, "[{\"na"), 0, b"\""), "");
+    }
+
+    #[test]
+    fn a_first_records_field_named_in_the_prompt_is_drafted_after_its_name() {
+        let tok = tokenizer();
+        let text = "Order A-1 (customer: Maria Rossi, maria@example.com)\n\
+                    Order A-2 (customer: Kenji Sato, kenji@example.com)\n";
+        let prompt = enc(&tok, text);
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        // `name` of `customer`: the enclosing object's name labels its first field.
+        toks.extend(enc(&tok, "[{\"id\":\"A-1\",\"customer\":{\"name\":\""));
+        assert_eq!(value(&draft(&mut d, &toks, prompt.len())), "Maria Rossi");
+        // Not its later fields, and not a name the prompt does not write.
+        toks.extend(enc(&tok, "Maria Rossi\",\"email\":\""));
+        let mut st = d.state.clone();
+        d.advance(&mut st, &toks[d.seen..]);
+        let at = |w: &str| text.find(w);
+        assert_eq!(st.labelled(&d.src, b"customer/email", 0), None);
+        assert_eq!(st.labelled(&d.src, b"customer", 0), at("Maria"));
+        assert_eq!(st.labelled(&d.src, b"Customer", 30), at("Kenji"));
+    }
+
+    #[test]
+    fn the_layout_is_learned_from_the_output() {
+        let feed = |text: &str| {
+            let mut st = State::default();
+            for &b in text.as_bytes() {
+                st.feed(b"", b);
+            }
+            st.layout
+        };
+        let pretty = feed("[\n   {\n      \"a\": 1");
+        assert_eq!((pretty.pretty, pretty.indent), (Some(true), Some(3)));
+        let compact = feed("[{\"a\": 1, \"b\"");
+        assert_eq!(compact.pretty, Some(false));
+        assert_eq!(compact.comma_space, Some(true));
+        let tight = feed("[{\"a\":1,\"b\"");
+        assert_eq!(tight.comma_space, Some(false));
+        assert_eq!(feed("[").pretty, None);
+    }
+
+    #[test]
+    fn a_first_records_syntax_follows_the_layout_where_the_grammar_allows_it() {
+        let tok = tokenizer();
+        let prompt = enc(&tok, "Ada,12,London\nAlan,7,Wilmslow\n");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let draft_after = |d: &mut PromptTextDrafter, out: &str, refused: &'static [u8]| {
+            let mut toks = prompt.clone();
+            toks.extend(enc(&tok, out));
+            draft_refusing(d, &toks, prompt.len(), refused)
+        };
+        // A pretty output's first record opens at 2 spaces a depth until it shows its
+        // own indent (the grammar forces the key after the quote).
+        assert_eq!(draft_after(&mut d, "[\n", b""), "  {\n    \"");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft_after(&mut d, "[\n   {\n", b""), "      \"");
+        // After a key: its colon and a string's opening quote; a grammar that refuses the
+        // quote (a number) gets the next number of the prompt.
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft_after(&mut d, "[\n  {\n    \"name\"", b""), ": \"");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft_after(&mut d, "[\n  {\n    \"name\"", b"\"{["), ": 12");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let out = "[\n  {\n    \"name\": \"Ada\",\n    \"n\"";
+        assert_eq!(draft_after(&mut d, out, b"\"{["), ": 12,\n    ");
+        // After a number that is whole: the next member, else (the grammar refuses `,`:
+        // the object is complete) the closings.
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let out = "[\n  {\n    \"name\": \"Ada\",\n    \"n\": 12";
+        assert_eq!(draft_after(&mut d, out, b""), ",\n    \"");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(draft_after(&mut d, out, b","), "\n  }\n]");
+        // A compact output: no newlines.
+        let mut d = PromptTextDrafter::new(tok.clone());
+        assert_eq!(
+            draft_after(&mut d, "[{\"name\":\"Ada\",\"n\":12", b""),
+            ",\""
+        );
+    }
+
+    #[test]
+    fn a_first_records_date_takes_the_requested_format() {
+        assert_eq!(
+            first_date(b"issued on 3 March 2024 for", 0).as_deref(),
+            Some(&b"2024-03-03"[..])
+        );
+        assert_eq!(
+            first_date(b"Dates as DD/MM/YYYY. Paid Sept 9, 2023.", 0).as_deref(),
+            Some(&b"09/09/2023"[..])
+        );
+        // Only from `from` on; no month name or no year: no date.
+        assert_eq!(first_date(b"3 March 2024, then", 5), None);
+        assert_eq!(first_date(b"on 3 4 2024", 0), None);
+        assert_eq!(first_date(b"on 3 March", 0), None);
+        let tok = tokenizer();
+        let prompt = enc(&tok, "Invoice INV-7 was issued on 17 April 2024.\n");
+        let mut d = PromptTextDrafter::new(tok.clone());
+        let mut toks = prompt.clone();
+        toks.extend(enc(&tok, "[{\"invoice\":\"INV-7\",\"issued\":\""));
+        // The grammar wants digits (a date pattern): the prompt's words are refused.
+        let letters: &'static [u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ";
+        assert_eq!(
+            draft_refusing(&mut d, &toks, prompt.len(), letters),
+            "2024-04-17"
+        );
+    }
+
+    #[test]
+    fn a_first_records_number_is_the_next_one_standing_alone() {
+        assert_eq!(
+            first_number(b"- 2 x Beans 1kg @ 18.50", 4, b"").as_deref(),
+            Some(&b"18.50"[..])
+        );
+        assert_eq!(
+            first_number(b"total of $1,234.50, due in 30 days", 0, b"").as_deref(),
+            Some(&b"1234.50"[..])
+        );
+        assert_eq!(
+            first_number(b"total of $1,234.50, due in 30 days", 0, b"3").as_deref(),
+            Some(&b"30"[..])
+        );
+        assert_eq!(first_number(b"v1 and 2kg", 0, b""), None);
+    }
+
+    #[test]
+    fn the_mirror_counts_the_tokens_it_would_take_without_taking_them() {
+        let mut g = Refuse(b",");
+        let mut m = Mirror::new(&mut g, 256);
+        assert_eq!(m.accepted_prefix(&[u32::from(b'a'), u32::from(b','), 0]), 1);
+        assert_eq!(m.advanced(), 0);
+        assert!(m.try_push(u32::from(b'a')));
+        assert_eq!(Mirror::unconstrained().accepted_prefix(&[1, 2, 3]), 3);
     }
 
     #[test]
