@@ -1890,30 +1890,20 @@ mod tests {
         prompt_len: usize,
         refused: &'static [u8],
     ) -> String {
-        let params = SamplingParams::greedy();
-        let never = TokenMask::new(256);
-        let ctx = DraftContext {
-            tokens,
-            prompt_len,
-            params: &params,
-            never: &never,
-            max_tokens: 64,
-            max_draft: 64,
-            kind_caps: &[],
-            allow_costly: true,
-            bars: &[],
-            eos_ends: false,
-            eos: &[],
-            target: None,
-        };
-        let mut g = Refuse(refused);
-        let mut m = Mirror::new(&mut g, 256);
-        let p = d.propose(&ctx, &mut m);
-        let b: Vec<u8> = p.tokens.iter().map(|&t| t as u8).collect();
-        String::from_utf8_lossy(&b).into_owned()
+        draft_under(d, tokens, prompt_len, &mut Refuse(refused))
     }
 
     fn draft(d: &mut PromptTextDrafter, tokens: &[u32], prompt_len: usize) -> String {
+        draft_under(d, tokens, prompt_len, &mut AnyJson)
+    }
+
+    /// The draft (as text) of `d` after `tokens` under the constraint `g`.
+    fn draft_under(
+        d: &mut PromptTextDrafter,
+        tokens: &[u32],
+        prompt_len: usize,
+        g: &mut dyn sampling::TokenConstraint,
+    ) -> String {
         let params = SamplingParams::greedy();
         let never = TokenMask::new(256);
         let ctx = DraftContext {
@@ -1930,8 +1920,7 @@ mod tests {
             eos: &[],
             target: None,
         };
-        let mut g = AnyJson;
-        let mut m = Mirror::new(&mut g, 256);
+        let mut m = Mirror::new(g, 256);
         let p = d.propose(&ctx, &mut m);
         let b: Vec<u8> = p.tokens.iter().map(|&t| t as u8).collect();
         String::from_utf8_lossy(&b).into_owned()
