@@ -639,6 +639,18 @@ impl Drafter for SuffixDrafter {
             // new id): the continuation after that value.
             let exact = |c: &Option<(Vec<Cand<'_>>, usize)>| c.as_ref().map_or(0, |c| c.1);
             let m_exact = exact(&global).max(exact(&local));
+            // Exact occurrences in the sequence itself that all continue alike (at least
+            // two) say the last token is no slot value but a known word (a tool name
+            // whose continuation is settled): no slot match then. (The index is not
+            // counted: it holds copies of the same earlier prompts.)
+            let settled = {
+                let mut next = local
+                    .iter()
+                    .flat_map(|(c, _)| c.iter())
+                    .filter_map(|&(src, pos)| src.get(pos));
+                next.next()
+                    .is_some_and(|first| next.clone().count() > 0 && next.all(|t| t == first))
+            };
             let slot = {
                 let g = st
                     .parts
@@ -653,7 +665,7 @@ impl Drafter for SuffixDrafter {
             };
             match slot {
                 Some(((c, m), from_index))
-                    if m >= SLOT_MIN_CONTEXT && m >= m_exact + SLOT_MARGIN =>
+                    if !settled && m >= SLOT_MIN_CONTEXT && m >= m_exact + SLOT_MARGIN =>
                 {
                     (c, m, from_index)
                 }
@@ -915,5 +927,25 @@ mod tests {
             &mut Mirror::unconstrained(),
         );
         assert!(p.tokens.is_empty(), "{p:?}");
+    }
+
+    #[test]
+    fn a_word_the_sequence_always_continues_alike_is_no_slot() {
+        let ix = Arc::new(SuffixIndex::new(SuffixConfig::default()));
+        let mut a = seq(1..10);
+        a.extend(call(40));
+        ix.learn(0, &a);
+        // `45` follows the id's context twice in the sequence, each time with 46 47 48.
+        let mut now = vec![1, 2, 209, 210, 211, 45, 46, 47, 48, 3, 4, 209, 210, 211, 45];
+        now.extend([46, 47, 48]);
+        now.extend(600..610);
+        now.extend(200..212);
+        now.push(45);
+        let params = SamplingParams::greedy();
+        let never = TokenMask::new(0);
+        let p = ix
+            .drafter(0)
+            .propose(&ctx(&now, &params, &never, 3), &mut Mirror::unconstrained());
+        assert_eq!(p.tokens, vec![46, 47, 48]);
     }
 }
