@@ -18,14 +18,17 @@
 //!
 //! Agent loops call the same tools again and again with values that change from call to
 //! call (an order id, a file path, a line number), so a long match often sits in front of
-//! a *variable slot*. Inside a match of at least `SLOT_MIN_CONTEXT` (8) tokens, a token on which the
-//! candidates disagree while agreeing on the token after it is a slot: it is drafted as
-//! the token that followed the same two tokens most recently in the sequence (the latest
-//! tool result, the call being written), and when that value is new the candidates step
-//! over it and the envelope goes on. After the output wrote a value that no candidate
-//! had (a correction), the pattern that ends with it is short; a *slot match* (the
-//! pattern with its last token substituted) at least `SLOT_MARGIN` (4) tokens longer than the
-//! best exact match then proposes what followed the value there.
+//! a *variable slot*. Inside a match of at least `SLOT_MIN_CONTEXT` (8) tokens, a token
+//! on which the candidates disagree while agreeing on the token after it is a slot: it is
+//! drafted as the token that followed the same two tokens most recently in the sequence
+//! (the latest tool result, the call being written), and when that value is new the
+//! candidates step over it and the envelope goes on. After the output wrote a value that
+//! no candidate had (a correction), the pattern that ends with it is short; a *slot
+//! match* (the pattern with its last token substituted) at least `SLOT_MARGIN` (4) tokens
+//! longer than the best exact match then proposes what followed the value there, unless
+//! the sequence itself continues that token alike every time (at least twice: a tool
+//! name, not a value). (A single candidate is never overridden by the most recent value:
+//! in code that loses far more than it gains.)
 //!
 //! The same walk over the sequence itself (its prompt and output so far) competes with the
 //! index; the one with the higher score (the expected number of accepted tokens, the sum
