@@ -16,7 +16,9 @@
 //! curve by [`MIN_GAIN`]; a one-token probe follows [`COST_PROBE_EVERY`] withheld steps,
 //! and after each rejected probe twice as many, up to [`COST_PROBE_MAX`]), whether a
 //! costly drafter (the draft model, DSpark) pays at all, and a new sequence's starting
-//! acceptance (the engine's counts, which its own cycles then update).
+//! acceptance (the engine's estimate, weighed as a few cycles so the sequence's own
+//! cycles soon outweigh it: a chat after an agent loop whose drafts were all accepted
+//! does not keep drafting at full length).
 //!
 //! Grammar-forced tokens are certain and free to propose: the policy never withholds them.
 
@@ -82,11 +84,29 @@ impl Default for Acceptance {
 }
 
 const DECAY: f64 = 0.9;
+/// Weight (successes plus failures) of the engine's acceptance when a new sequence starts
+/// from it: its own first cycles soon outweigh it (a chat after an agent loop whose drafts
+/// were all accepted does not draft at full length for long).
+const PRIOR_WEIGHT: f64 = 4.0;
 
 impl Acceptance {
     /// The estimated per-position acceptance probability.
     pub fn alpha(&self) -> f64 {
         self.ok / (self.ok + self.fail)
+    }
+
+    /// The same estimate with the weight of [`PRIOR_WEIGHT`] observations at most: the
+    /// start of a new sequence from the engine's counts.
+    pub fn as_prior(&self) -> Acceptance {
+        let w = self.ok + self.fail;
+        if w <= PRIOR_WEIGHT {
+            return *self;
+        }
+        let f = PRIOR_WEIGHT / w;
+        Acceptance {
+            ok: self.ok * f,
+            fail: self.fail * f,
+        }
     }
 
     /// Records a cycle: `accepted` of `drafted` free drafts were accepted.
@@ -548,7 +568,7 @@ impl SeqPolicy {
                     // Its own cycles then update that estimate (they do not start
                     // over from the neutral prior).
                     if self.recorded[i] == 0 && cost.cycles(kind) > 0 {
-                        self.acceptance[i] = cost.acceptance(kind);
+                        self.acceptance[i] = cost.acceptance(kind).as_prior();
                     }
                     let alpha = self.acceptance[i].alpha();
                     let k = cost.best_draft(alpha, cap, kind);
@@ -661,6 +681,28 @@ mod tests {
         assert_eq!(plan.gate, None);
         assert_eq!(plan.bars[0], 0.55);
         assert_eq!(plan.max_draft, 8);
+    }
+
+    #[test]
+    fn a_new_sequence_weighs_the_engines_acceptance_as_a_few_cycles() {
+        let mut c = CostModel::new();
+        convex_curve(&mut c);
+        // Earlier sequences' suffix drafts were all accepted.
+        for _ in 0..30 {
+            c.observe_cycle(DrafterKind::Suffix, 12, 12);
+        }
+        let cfg = PolicyConfig {
+            backoff: false,
+            ..PolicyConfig::default()
+        };
+        let s = DrafterKind::Suffix.index();
+        let mut p = SeqPolicy::new();
+        assert_eq!(p.plan(&cfg, &c, 12, None).caps[s], 12);
+        // This sequence's drafts miss twice: its own cycles outweigh the engine's.
+        p.record(Some(DrafterKind::Suffix), 12, 0);
+        p.record(Some(DrafterKind::Suffix), 12, 0);
+        let k = p.plan(&cfg, &c, 12, None).caps[s];
+        assert!(k <= 4, "{k}");
     }
 
     #[test]

@@ -16,6 +16,20 @@
 //!    drafting stops when the product of the probabilities falls below `min_prob`;
 //! 3. drafts at most `spec_factor × match length` tokens: longer matches draft further.
 //!
+//! Agent loops call the same tools again and again with values that change from call to
+//! call (an order id, a file path, a line number), so a long match often sits in front of
+//! a *variable slot*. Inside a match of at least `SLOT_MIN_CONTEXT` (8) tokens, a token
+//! on which the candidates disagree while agreeing on the token after it is a slot: it is
+//! drafted as the token that followed the same two tokens most recently in the sequence
+//! (the latest tool result, the call being written), and when that value is new the
+//! candidates step over it and the envelope goes on. After the output wrote a value that
+//! no candidate had (a correction), the pattern that ends with it is short; a *slot
+//! match* (the pattern with its last token substituted) at least `SLOT_MARGIN` (4) tokens
+//! longer than the best exact match then proposes what followed the value there, unless
+//! the sequence itself continues that token alike every time (at least twice: a tool
+//! name, not a value). (A single candidate is never overridden by the most recent value:
+//! in code that loses far more than it gains.)
+//!
 //! The same walk over the sequence itself (its prompt and output so far) competes with the
 //! index; the one with the higher score (the expected number of accepted tokens, the sum
 //! of the running probabilities) proposes, the sequence itself winning ties. Under a
@@ -70,6 +84,14 @@ impl Default for SuffixConfig {
 pub const RECENT: usize = 4;
 /// Most occurrences examined per proposal (the most recent first).
 pub const MAX_SCAN: usize = 512;
+/// Least context a *slot* match needs before its substituted token (see
+/// [`SuffixDrafter`]).
+const SLOT_MIN_CONTEXT: usize = 8;
+/// How many more tokens a slot match must match than the best exact match to be used.
+const SLOT_MARGIN: usize = 4;
+/// Tokens before a variable slot whose most recent occurrence in the sequence gives the
+/// slot's value.
+const SLOT_KEY: usize = 2;
 
 /// Counters of a [`SuffixIndex`] (monotonic, except `stored_tokens`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -149,6 +171,26 @@ fn match_back(a: &[u32], a_end: usize, b: &[u32], b_end: usize, max: usize) -> u
     m
 }
 
+/// The token that followed the last [`SLOT_KEY`] tokens of `s` + `drafted` most recently
+/// before (in `s` + `drafted` itself).
+fn recent_value(s: &[u32], drafted: &[u32]) -> Option<u32> {
+    let n = s.len() + drafted.len();
+    if n <= SLOT_KEY {
+        return None;
+    }
+    let at = |i: usize| {
+        if i < s.len() {
+            s[i]
+        } else {
+            drafted[i - s.len()]
+        }
+    };
+    (SLOT_KEY..n)
+        .rev()
+        .find(|&p| (1..=SLOT_KEY).all(|d| at(p - d) == at(n - d)))
+        .map(at)
+}
+
 /// A candidate continuation: `src[pos..]` follows an occurrence of the pattern.
 type Cand<'a> = (&'a [u32], usize);
 
@@ -166,6 +208,7 @@ fn walk(
     k: usize,
     min_prob: f64,
     ends: impl Fn(u32) -> bool,
+    recent: impl Fn(&[u32]) -> Option<u32>,
     mut take: impl FnMut(u32) -> bool,
 ) -> Walk {
     let mut out = Walk {
@@ -191,22 +234,53 @@ fn walk(
         }
         // Stable: equal counts keep the most recent first.
         counts.sort_by_key(|c| std::cmp::Reverse(c.1));
+        // A variable slot: the occurrences disagree on this token (an id, a path, a
+        // number that changes from call to call). Its value is the one that followed the
+        // same few tokens most recently in the sequence (the latest tool result, the
+        // current call), at the confidence of the slot's most frequent value; when that
+        // value is new, every candidate steps over the slot (a one-token substitution).
+        // What the candidates write after this token: one token for all of them marks
+        // a slot in a fixed envelope (in free text the continuations differ too).
+        let after_agrees = || {
+            let mut next = cands.iter().filter_map(|&(src, pos)| src.get(pos + j + 1));
+            next.next()
+                .is_some_and(|first| next.clone().count() > 0 && next.all(|t| t == first))
+        };
+        let slot = if counts.len() > 1 && after_agrees() {
+            recent(&out.tokens).map(|r| (r, counts[0].1 as f64 / total as f64))
+        } else {
+            None
+        };
         let mut chosen = None;
-        for &(t, c) in &counts {
-            let p = c as f64 / total as f64;
-            if prob * p < min_prob {
-                break;
-            }
-            if take(t) {
-                chosen = Some((t, p));
-                break;
+        let mut skip = false;
+        if let Some((r, p)) = slot
+            && prob * p >= min_prob
+            && take(r)
+        {
+            skip = !counts.iter().any(|c| c.0 == r);
+            chosen = Some((r, p));
+        }
+        if chosen.is_none() {
+            for &(t, c) in &counts {
+                let p = c as f64 / total as f64;
+                if prob * p < min_prob {
+                    break;
+                }
+                if take(t) {
+                    chosen = Some((t, p));
+                    break;
+                }
             }
         }
         let Some((t, p)) = chosen else { break };
         prob *= p;
         out.score += prob;
         out.tokens.push(t);
-        cands.retain(|&(src, pos)| src.get(pos + j) == Some(&t));
+        if skip {
+            cands.retain(|&(src, pos)| src.get(pos + j).is_some());
+        } else {
+            cands.retain(|&(src, pos)| src.get(pos + j) == Some(&t));
+        }
         if ends(t) {
             break;
         }
@@ -352,7 +426,19 @@ impl SuffixIndex {
         match self.index_cands(c, tokens) {
             Some((cands, m)) => {
                 let k = k.min(self.cap(m));
-                walk(cands, k, f64::from(self.cfg.min_prob), |_| false, |_| true).tokens
+                walk(
+                    cands,
+                    k,
+                    f64::from(self.cfg.min_prob),
+                    |_| false,
+                    |d| {
+                        (m >= SLOT_MIN_CONTEXT)
+                            .then(|| recent_value(tokens, d))
+                            .flatten()
+                    },
+                    |_| true,
+                )
+                .tokens
             }
             None => Vec::new(),
         }
@@ -400,6 +486,61 @@ impl SuffixIndex {
         })
     }
 
+    /// The index's *slot* candidates after `s`: occurrences of the pattern with `s`'s last
+    /// token substituted (the continuation after a value that differs from the one
+    /// written there), with the longest context before it, and that context's length.
+    fn index_slot_cands<'c>(&self, c: &'c Corpus, s: &[u32]) -> Option<(Vec<Cand<'c>>, usize)> {
+        let a = self.cfg.min_match;
+        let n = s.len();
+        if n <= a {
+            return None;
+        }
+        let list = c.anchors.get(&anchor_hash(&s[n - 1 - a..n - 1]))?;
+        let mut best = 0;
+        let mut cands: Vec<(Cand<'c>, usize)> = Vec::new();
+        for &(id, pos) in list.iter().rev() {
+            let Some(doc) = c.doc(id) else { continue };
+            let pos = pos as usize;
+            if pos + 1 >= doc.len() || doc[pos] == s[n - 1] {
+                continue;
+            }
+            let m = match_back(doc, pos, s, n - 1, self.cfg.max_depth);
+            if m < a {
+                continue;
+            }
+            best = best.max(m);
+            cands.push(((doc, pos + 1), m));
+            if cands.len() >= MAX_SCAN {
+                break;
+            }
+        }
+        best_of(cands, best, a)
+    }
+
+    /// The sequence's own slot candidates (as [`SuffixIndex::index_slot_cands`], in `s`).
+    fn local_slot_cands<'s>(&self, s: &'s [u32]) -> Option<(Vec<Cand<'s>>, usize)> {
+        let a = self.cfg.min_match;
+        let n = s.len();
+        if n <= a + 1 {
+            return None;
+        }
+        let key = &s[n - 1 - a..n - 1];
+        let mut best = 0;
+        let mut cands: Vec<(Cand<'s>, usize)> = Vec::new();
+        for p in (a..n - 1).rev() {
+            if s[p] == s[n - 1] || s[p - a..p] != *key {
+                continue;
+            }
+            let m = match_back(s, p, s, n - 1, self.cfg.max_depth);
+            best = best.max(m);
+            cands.push(((s, p + 1), m));
+            if cands.len() >= MAX_SCAN {
+                break;
+            }
+        }
+        best_of(cands, best, a)
+    }
+
     /// The sequence's own candidates (occurrences in `s` itself, most recent first).
     fn local_cands<'s>(&self, s: &'s [u32]) -> Option<(Vec<Cand<'s>>, usize)> {
         let a = self.cfg.min_match;
@@ -432,6 +573,22 @@ impl SuffixIndex {
     }
 }
 
+/// The candidates of match length `best` (when at least `min`), and `best`.
+fn best_of(
+    cands: Vec<(Cand<'_>, usize)>,
+    best: usize,
+    min: usize,
+) -> Option<(Vec<Cand<'_>>, usize)> {
+    (best >= min).then(|| {
+        let v = cands
+            .into_iter()
+            .filter(|&(_, m)| m == best)
+            .map(|(c, _)| c)
+            .collect();
+        (v, best)
+    })
+}
+
 /// One sequence's cross-request drafter: reads its partition of the [`SuffixIndex`] and
 /// adds the sequence to it when it finishes.
 #[derive(Debug)]
@@ -455,6 +612,18 @@ impl Drafter for SuffixDrafter {
         let cfg = ix.cfg;
         let min_prob = f64::from(cfg.min_prob);
         let ends = |t: u32| ctx.ends(t);
+        // Variable slots are recognised only inside a long matched context (an envelope
+        // repeated call after call), not in free text's short matches.
+        let tokens = ctx.tokens;
+        let recent = |m: usize| {
+            move |d: &[u32]| {
+                if m >= SLOT_MIN_CONTEXT {
+                    recent_value(tokens, d)
+                } else {
+                    None
+                }
+            }
+        };
         let st = ix.lock();
         let global = st
             .parts
@@ -468,19 +637,65 @@ impl Drafter for SuffixDrafter {
             }
         } else {
             let local = ix.local_cands(ctx.tokens);
-            let score = |c: &Option<(Vec<Cand<'_>>, usize)>| {
-                c.as_ref().map_or(0.0, |(c, m)| {
-                    walk(c.clone(), k.min(ix.cap(*m)), min_prob, ends, |_| true).score
-                })
+            // A slot match: the last token was a value that differs from the one at an
+            // earlier occurrence of a much longer context (the next call of a tool with a
+            // new id): the continuation after that value.
+            let exact = |c: &Option<(Vec<Cand<'_>>, usize)>| c.as_ref().map_or(0, |c| c.1);
+            let m_exact = exact(&global).max(exact(&local));
+            // Exact occurrences in the sequence itself that all continue alike (at least
+            // two) say the last token is no slot value but a known word (a tool name
+            // whose continuation is settled): no slot match then. (The index is not
+            // counted: it holds copies of the same earlier prompts.)
+            let settled = {
+                let mut next = local
+                    .iter()
+                    .flat_map(|(c, _)| c.iter())
+                    .filter_map(|&(src, pos)| src.get(pos));
+                next.next()
+                    .is_some_and(|first| next.clone().count() > 0 && next.all(|t| t == first))
             };
-            let (gs, ls) = (score(&global), score(&local));
-            match (global, local) {
-                (Some((c, m)), _) if gs > ls => (c, m, true),
-                (_, Some((c, m))) if ls > 0.0 => (c, m, false),
-                _ => return out,
+            let slot = {
+                let g = st
+                    .parts
+                    .get(&self.partition)
+                    .and_then(|c| ix.index_slot_cands(c, ctx.tokens));
+                let l = ix.local_slot_cands(ctx.tokens);
+                match (g, l) {
+                    (Some(g), Some(l)) if g.1 > l.1 => Some((g, true)),
+                    (_, Some(l)) => Some((l, false)),
+                    (g, None) => g.map(|g| (g, true)),
+                }
+            };
+            match slot {
+                Some(((c, m), from_index))
+                    if !settled && m >= SLOT_MIN_CONTEXT && m >= m_exact + SLOT_MARGIN =>
+                {
+                    (c, m, from_index)
+                }
+                _ => {
+                    let score = |c: &Option<(Vec<Cand<'_>>, usize)>| {
+                        c.as_ref().map_or(0.0, |(c, m)| {
+                            walk(
+                                c.clone(),
+                                k.min(ix.cap(*m)),
+                                min_prob,
+                                ends,
+                                recent(*m),
+                                |_| true,
+                            )
+                            .score
+                        })
+                    };
+                    let (gs, ls) = (score(&global), score(&local));
+                    match (global, local) {
+                        (Some((c, m)), _) if gs > ls => (c, m, true),
+                        (_, Some((c, m))) if ls > 0.0 => (c, m, false),
+                        _ => return out,
+                    }
+                }
             }
         };
-        let w = walk(cands, k.min(ix.cap(m)), min_prob, ends, |t| {
+        let w = walk(cands, k.min(ix.cap(m)), min_prob, ends, recent(m), |t| {
             mirror.try_push(t)
         });
         drop(st);
@@ -651,5 +866,89 @@ mod tests {
             .propose(&ctx(&now, &params, &never, 4), &mut Mirror::unconstrained());
         assert_eq!(p.tokens, seq(16..20));
         assert_eq!(ix.counters().local_proposals, 1);
+    }
+
+    /// A tool call's envelope: 12 fixed tokens, the id token, then 6 fixed tokens.
+    fn call(id: u32) -> Vec<u32> {
+        let mut v = seq(200..212);
+        v.push(id);
+        v.extend(300..306);
+        v
+    }
+
+    #[test]
+    fn a_variable_slot_takes_its_most_recent_value_and_the_envelope_goes_on() {
+        let ix = Arc::new(SuffixIndex::new(SuffixConfig::default()));
+        // Two earlier calls with ids 40 and 41.
+        let mut a = seq(1..10);
+        a.extend(call(40));
+        ix.learn(0, &a);
+        let mut b = seq(500..510);
+        b.extend(call(41));
+        ix.learn(0, &b);
+        // The latest tool result names id 42 after the id's two context tokens.
+        let mut now = seq(600..610);
+        now.extend([210, 211, 42, 700]);
+        now.extend(200..212);
+        let params = SamplingParams::greedy();
+        let never = TokenMask::new(0);
+        let p = ix
+            .drafter(0)
+            .propose(&ctx(&now, &params, &never, 7), &mut Mirror::unconstrained());
+        let mut want = vec![42];
+        want.extend(300..306);
+        assert_eq!(p.tokens, want);
+        // Without a recent value (no earlier `210 211`), the most frequent (the most
+        // recent of equals) is drafted.
+        let mut plain = seq(600..610);
+        plain.extend(200..212);
+        assert_eq!(ix.lookup(0, &plain, 3), vec![41, 300, 301]);
+    }
+
+    #[test]
+    fn after_a_new_value_the_longer_context_before_it_drafts_the_rest_of_the_envelope() {
+        let ix = Arc::new(SuffixIndex::new(SuffixConfig::default()));
+        let mut a = seq(1..10);
+        a.extend(call(40));
+        ix.learn(0, &a);
+        // The id just written (43) is new; elsewhere `43` is followed by 900.
+        let mut now = vec![43, 900, 901, 902, 903];
+        now.extend(seq(600..610));
+        now.extend(200..212);
+        now.push(43);
+        let params = SamplingParams::greedy();
+        let never = TokenMask::new(0);
+        let p = ix
+            .drafter(0)
+            .propose(&ctx(&now, &params, &never, 6), &mut Mirror::unconstrained());
+        assert_eq!(p.tokens, seq(300..306));
+        // A short context before a new token is no slot: nothing from the index.
+        // (`200..204` matches with the 3 tokens before it: 7 in all.)
+        let short = vec![7u32, 8, 9, 200, 201, 202, 203, 43];
+        let p = ix.drafter(0).propose(
+            &ctx(&short, &params, &never, 6),
+            &mut Mirror::unconstrained(),
+        );
+        assert!(p.tokens.is_empty(), "{p:?}");
+    }
+
+    #[test]
+    fn a_word_the_sequence_always_continues_alike_is_no_slot() {
+        let ix = Arc::new(SuffixIndex::new(SuffixConfig::default()));
+        let mut a = seq(1..10);
+        a.extend(call(40));
+        ix.learn(0, &a);
+        // `45` follows the id's context twice in the sequence, each time with 46 47 48.
+        let mut now = vec![1, 2, 209, 210, 211, 45, 46, 47, 48, 3, 4, 209, 210, 211, 45];
+        now.extend([46, 47, 48]);
+        now.extend(600..610);
+        now.extend(200..212);
+        now.push(45);
+        let params = SamplingParams::greedy();
+        let never = TokenMask::new(0);
+        let p = ix
+            .drafter(0)
+            .propose(&ctx(&now, &params, &never, 3), &mut Mirror::unconstrained());
+        assert_eq!(p.tokens, vec![46, 47, 48]);
     }
 }
