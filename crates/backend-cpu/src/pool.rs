@@ -44,7 +44,8 @@ fn epoch_of(state: u64) -> u32 {
     (state >> 32) as u32
 }
 
-/// A job pointer with its lifetime erased; valid until `remaining` drops to zero.
+/// A job pointer with its lifetime erased; valid until every worker that took the job has
+/// left it (`remaining` at zero, or an optional job closed with a count of zero).
 #[derive(Clone, Copy)]
 struct JobPtr(*const JobFn<'static>);
 
@@ -64,7 +65,7 @@ struct Shared {
     worker_panicked: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
-    /// Set while the dispatching thread sleeps on `done` waiting for `remaining` to reach 0.
+    /// Set while the dispatching thread sleeps on `done` waiting for the job's workers.
     caller_sleeps: AtomicBool,
     done: Condvar,
 }
