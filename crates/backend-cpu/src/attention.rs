@@ -58,9 +58,10 @@ pub fn attention(
 ///
 /// `q` and `out` hold `rows.len()` rows of `n_head * head_dim` f32 (head-major). Every
 /// row's K/V, including its own position, must already be written to the cache. Work is
-/// split over (row, head) pairs, one contiguous range per thread balanced by keys visited;
-/// each pair is computed entirely by one thread with the canonical order, so results do
-/// not depend on the batch or the thread count.
+/// split over (row, head) pairs, in contiguous ranges (a few per thread, balanced by keys
+/// visited) that the threads share out; each pair is computed entirely by one thread with
+/// the canonical order, so results do not depend on the batch, the thread count or which
+/// thread ran it.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_with(
     isa: Isa,
@@ -109,23 +110,29 @@ pub fn attention_with(
     }
     let isa = isa.checked();
     let group_size = n_head / n_kv;
-    // One contiguous range of (row, head) tasks per thread, balanced by the number of keys
-    // the tasks visit (a later row of a causal prefill costs more than an earlier one).
+    // Contiguous ranges of (row, head) tasks, a few per thread, balanced by the number of
+    // keys the tasks visit (a later row of a causal prefill costs more than an earlier
+    // one), shared out with work stealing so a preempted thread holds up little.
     let threads = pool.n_threads().max(1);
+    let chunks = if threads == 1 {
+        1
+    } else {
+        threads * CHUNKS_PER_THREAD
+    };
     let row_costs: Vec<u64> = rows
         .iter()
         .map(|r| (r.pos + 1 - first_key(r.pos, window)) as u64 + TASK_OVERHEAD_KEYS)
         .collect();
-    let bounds = balanced_bounds(&row_costs, n_head, threads);
-    let mut shares: Vec<std::sync::Mutex<&mut [f32]>> = Vec::with_capacity(threads);
+    let bounds = balanced_bounds(&row_costs, n_head, chunks);
+    let mut shares: Vec<std::sync::Mutex<&mut [f32]>> = Vec::with_capacity(chunks);
     let mut rest: &mut [f32] = out;
-    for t in 0..threads {
-        let (mine, tail) = rest.split_at_mut((bounds[t + 1] - bounds[t]) * d);
+    for c in 0..chunks {
+        let (mine, tail) = rest.split_at_mut((bounds[c + 1] - bounds[c]) * d);
         shares.push(std::sync::Mutex::new(mine));
         rest = tail;
     }
-    pool.broadcast(|t| {
-        let (Some(share), Some(&first)) = (shares.get(t), bounds.get(t)) else {
+    pool.for_chunks_stealing(chunks, |_, c| {
+        let (Some(share), Some(&first)) = (shares.get(c), bounds.get(c)) else {
             return;
         };
         let mut guard = share.lock().unwrap_or_else(|p| p.into_inner());
@@ -151,11 +158,14 @@ pub fn attention_with(
     Ok(())
 }
 
+/// Task ranges per thread (with more than one thread).
+const CHUNKS_PER_THREAD: usize = 4;
+
 /// Fixed per-task cost, in keys, added to each task's key count when balancing.
 const TASK_OVERHEAD_KEYS: u64 = 8;
 
-/// Task boundaries (`threads + 1` of them, from 0 to `row_costs.len() · n_head`): thread
-/// `t` computes tasks `bounds[t]..bounds[t + 1]`, where task `r · n_head + h` is (row `r`,
+/// Task boundaries (`threads + 1` of them, from 0 to `row_costs.len() · n_head`): part
+/// `t` holds tasks `bounds[t]..bounds[t + 1]`, where task `r · n_head + h` is (row `r`,
 /// head `h`) and costs `row_costs[r]`. The cumulative cost is split as evenly as
 /// contiguous ranges allow.
 fn balanced_bounds(row_costs: &[u64], n_head: usize, threads: usize) -> Vec<usize> {

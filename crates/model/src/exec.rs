@@ -53,29 +53,70 @@ impl SharedOut {
     }
 }
 
-/// Thread `t`'s share of `units` units: `[t·U/T, (t+1)·U/T)`.
-fn share(units: usize, threads: usize, t: usize) -> Range<usize> {
-    (t * units / threads)..((t + 1) * units / threads)
+/// Chunks per thread a matmul group is cut into (with more than one thread): enough that a
+/// thread left waiting for a preempted one can take over most of its share, few enough that
+/// each kernel call still streams a long run of weights.
+const CHUNKS_PER_THREAD: usize = 8;
+
+/// The units of work of one matmul group: each job's 16-row tiles cut into chunks of at most
+/// `tiles` tiles (a chunk never spans two jobs). The cut depends only on the shapes and
+/// the thread count, never on which thread runs a chunk.
+struct Chunks {
+    ns: [usize; MAX_GROUP],
+    counts: [usize; MAX_GROUP],
+    tiles: usize,
 }
 
-/// The weight rows of job `j` that thread `t` computes.
-fn job_rows(ns: &[usize], threads: usize, t: usize, j: usize) -> Range<usize> {
-    let units: usize = ns.iter().map(|n| n.div_ceil(TILE)).sum();
-    let mine = share(units, threads, t);
-    let first: usize = ns[..j].iter().map(|n| n.div_ceil(TILE)).sum();
-    let own = first..first + ns[j].div_ceil(TILE);
-    let lo = mine.start.max(own.start);
-    let hi = mine.end.min(own.end);
-    if lo >= hi {
-        return 0..0;
+impl Chunks {
+    fn new(ns: &[usize], threads: usize) -> Chunks {
+        let units: usize = ns.iter().map(|n| n.div_ceil(TILE)).sum();
+        // One thread: one call per job, as a plain loop would make.
+        let tiles = if threads <= 1 {
+            units
+        } else {
+            units.div_ceil(threads * CHUNKS_PER_THREAD)
+        }
+        .max(1);
+        let mut c = Chunks {
+            ns: [0; MAX_GROUP],
+            counts: [0; MAX_GROUP],
+            tiles,
+        };
+        for (j, &n) in ns.iter().enumerate() {
+            c.ns[j] = n;
+            c.counts[j] = n.div_ceil(TILE).div_ceil(tiles);
+        }
+        c
     }
-    ((lo - first) * TILE).min(ns[j])..((hi - first) * TILE).min(ns[j])
+
+    fn total(&self) -> usize {
+        self.counts.iter().sum()
+    }
+
+    /// Chunk `c`: its job and that job's weight rows.
+    fn get(&self, mut c: usize) -> (usize, Range<usize>) {
+        for j in 0..MAX_GROUP {
+            if c < self.counts[j] {
+                let rows = self.tiles * TILE;
+                return (j, c * rows..((c + 1) * rows).min(self.ns[j]));
+            }
+            c -= self.counts[j];
+        }
+        unreachable!("chunk index beyond the group")
+    }
+
+    /// The weight-row ranges of job `j`'s chunks, in order.
+    fn of_job(&self, j: usize) -> impl Iterator<Item = Range<usize>> + '_ {
+        let rows = self.tiles * TILE;
+        (0..self.counts[j]).map(move |c| c * rows..((c + 1) * rows).min(self.ns[j]))
+    }
 }
 
 /// Runs up to [`MAX_GROUP`] matmuls over `m` activation rows in one pool dispatch. The
-/// weight rows of all jobs, in 16-row tiles, are split into one contiguous share per
-/// thread. With `m > 1` each thread writes its rows tile-major into `tmp` (so shares are
-/// contiguous), then the rows are gathered into the row-major outputs.
+/// weight rows of all jobs, in 16-row tiles, are cut into chunks ([`Chunks`]) that the
+/// threads share out with [`ThreadPool::for_chunks_stealing`]. With `m > 1` each chunk's
+/// results go tile-major into `tmp` (so a chunk's outputs are contiguous), then the rows
+/// are gathered into the row-major outputs.
 pub(crate) fn matmuls(
     pool: &ThreadPool,
     kernels: &Kernels,
@@ -129,29 +170,25 @@ pub(crate) fn matmuls(
     for (slot, job) in inputs.iter_mut().zip(jobs.iter()) {
         *slot = Some((job.w, job.acts));
     }
+    let chunks = Chunks::new(ns, threads);
     let error: Mutex<Option<ModelError>> = Mutex::new(None);
-    pool.broadcast(|t| {
-        for (j, input) in inputs.iter().enumerate() {
-            let Some((w, acts)) = *input else { continue };
-            let rows = job_rows(ns, threads, t, j);
-            if rows.is_empty() {
-                continue;
+    pool.for_chunks_stealing(chunks.total(), |_, c| {
+        let (j, rows) = chunks.get(c);
+        let Some((w, acts)) = inputs[j] else { return };
+        let dst = m * rows.start..m * rows.end;
+        // SAFETY: the chunks of job j partition 0..n and each chunk runs once, so the
+        // ranges `m·rows` are disjoint between calls, and the jobs' regions of `tmp` (or
+        // their own outputs) are disjoint from each other.
+        let out = unsafe {
+            match &targets[j] {
+                Some(target) => target.slice(dst),
+                None => tmp_out.slice(tmp_off[j] + dst.start..tmp_off[j] + dst.end),
             }
-            let dst = m * rows.start..m * rows.end;
-            // SAFETY: the row ranges of the threads partition 0..n of job j, so the ranges
-            // `m·rows` are disjoint between threads, and the jobs' regions of `tmp` (or
-            // their own outputs) are disjoint from each other.
-            let out = unsafe {
-                match &targets[j] {
-                    Some(target) => target.slice(dst),
-                    None => tmp_out.slice(tmp_off[j] + dst.start..tmp_off[j] + dst.end),
-                }
-            };
-            let ldo = rows.len();
-            if let Err(e) = kernels.matmul_packed(&w.packed, acts, rows, out, ldo) {
-                let mut slot = error.lock().unwrap_or_else(|p| p.into_inner());
-                slot.get_or_insert(ModelError::Quant(e));
-            }
+        };
+        let ldo = rows.len();
+        if let Err(e) = kernels.matmul_packed(&w.packed, acts, rows, out, ldo) {
+            let mut slot = error.lock().unwrap_or_else(|p| p.into_inner());
+            slot.get_or_insert(ModelError::Quant(e));
         }
     });
     if let Some(e) = error.into_inner().unwrap_or_else(|p| p.into_inner()) {
@@ -164,13 +201,10 @@ pub(crate) fn matmuls(
     for (j, job) in jobs.iter_mut().enumerate() {
         let n = ns[j];
         let region = &tmp[tmp_off[j]..tmp_off[j] + m * n];
+        let chunks = &chunks;
         pool.for_chunks_mut(job.out, n, |mi, row| {
-            for t in 0..threads {
-                let rows = job_rows(ns, threads, t, j);
+            for rows in chunks.of_job(j) {
                 let w = rows.len();
-                if w == 0 {
-                    continue;
-                }
                 let src = m * rows.start + mi * w;
                 row[rows].copy_from_slice(&region[src..src + w]);
             }
@@ -276,21 +310,43 @@ mod tests {
     use super::*;
 
     #[test]
-    fn job_rows_partition_every_job_into_tiles() {
+    fn chunks_partition_every_job_into_tiles() {
         for threads in 1..5 {
-            let ns = [576usize, 192, 200, 7];
-            for j in 0..ns.len() {
-                let mut next = 0;
-                for t in 0..threads {
-                    let r = job_rows(&ns, threads, t, j);
-                    if r.is_empty() {
-                        continue;
-                    }
-                    assert_eq!(r.start, next, "contiguous");
-                    assert!(r.start.is_multiple_of(TILE), "tile aligned");
-                    next = r.end;
+            for ns in [
+                &[576usize, 192, 200, 7][..],
+                &[8960, 8960],
+                &[16],
+                &[151_936],
+            ] {
+                let chunks = Chunks::new(ns, threads);
+                let mut seen: Vec<Vec<Range<usize>>> = vec![Vec::new(); ns.len()];
+                for c in 0..chunks.total() {
+                    let (j, r) = chunks.get(c);
+                    assert!(!r.is_empty(), "no empty chunk");
+                    seen[j].push(r);
                 }
-                assert_eq!(next, ns[j], "covers the job");
+                if threads > 1 {
+                    // No chunk larger than an even cut into CHUNKS_PER_THREAD per thread.
+                    let units: usize = ns.iter().map(|n| n.div_ceil(TILE)).sum();
+                    let most = units.div_ceil(threads * CHUNKS_PER_THREAD) * TILE;
+                    assert!(
+                        seen.iter().flatten().all(|r| r.len() <= most),
+                        "small chunks"
+                    );
+                } else {
+                    assert_eq!(chunks.total(), ns.len(), "one call per job on one thread");
+                }
+                for (j, got) in seen.iter().enumerate() {
+                    let of_job: Vec<_> = chunks.of_job(j).collect();
+                    assert_eq!(&of_job, got, "of_job lists the same chunks");
+                    let mut next = 0;
+                    for r in got {
+                        assert_eq!(r.start, next, "contiguous, in order");
+                        assert!(r.start.is_multiple_of(TILE), "tile aligned");
+                        next = r.end;
+                    }
+                    assert_eq!(next, ns[j], "covers the job");
+                }
             }
         }
     }

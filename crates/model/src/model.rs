@@ -126,6 +126,12 @@ impl Model {
         self
     }
 
+    /// The thread pool the forward runs on (its spin time and chunk sharing can be tuned
+    /// for measurements; results never depend on them).
+    pub fn pool(&self) -> &ThreadPool {
+        &self.pool
+    }
+
     /// The hyperparameters.
     pub fn config(&self) -> &Config {
         &self.config

@@ -130,3 +130,103 @@ fn for_machine_is_capped_by_the_request_and_the_cores() {
     assert_eq!(ThreadPool::for_machine(Some(1)).n_threads(), 1);
     assert_eq!(ThreadPool::for_machine(Some(cores + 5)).n_threads(), cores);
 }
+
+#[test]
+fn stealing_runs_every_chunk_exactly_once() {
+    for threads in 1..=4 {
+        let pool = ThreadPool::new(threads);
+        for n in [0usize, 1, 2, 3, 5, 8, 64, 1001] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.for_chunks_stealing(n, |t, c| {
+                assert!(t < threads, "thread index in range");
+                hits[c].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "threads={threads} n={n}"
+            );
+        }
+    }
+}
+
+#[test]
+fn stealing_lets_idle_threads_take_a_stalled_threads_chunks() {
+    // The calling thread stalls in the first chunk it runs: the other threads finish their
+    // own shares and then take the rest of its share from the back end.
+    let pool = ThreadPool::new(3);
+    let n = 30;
+    let stalled = std::sync::atomic::AtomicBool::new(false);
+    let by_caller = AtomicUsize::new(0);
+    let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+    pool.for_chunks_stealing(n, |t, c| {
+        if t == 0 {
+            by_caller.fetch_add(1, Ordering::Relaxed);
+            if !stalled.swap(true, Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+        }
+        hits[c].fetch_add(1, Ordering::Relaxed);
+    });
+    assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+    let own = by_caller.load(Ordering::Relaxed);
+    assert!(
+        own < 5,
+        "the stalled thread's share was taken over (it ran {own} of its 10)"
+    );
+}
+
+#[test]
+fn nested_stealing_runs_inline() {
+    let pool = ThreadPool::new(2);
+    let total = AtomicUsize::new(0);
+    pool.run(2, |_| {
+        pool.for_chunks_stealing(10, |t, _| {
+            assert_eq!(t, 0, "inline on the calling thread");
+            total.fetch_add(1, Ordering::Relaxed);
+        });
+    });
+    assert_eq!(total.load(Ordering::Relaxed), 20);
+}
+
+#[test]
+fn stealing_and_broadcast_jobs_interleave_without_losing_or_repeating_work() {
+    // Optional (stealing) jobs that workers may skip, then jobs every worker must run:
+    // a worker late for one must neither run it after it closed nor miss the next.
+    for spin_us in [0u64, 20] {
+        let pool = ThreadPool::with_spin(3, std::time::Duration::from_micros(spin_us));
+        let chunk_hits: Vec<AtomicUsize> = (0..7).map(|_| AtomicUsize::new(0)).collect();
+        let per_thread: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
+        let rounds = 2000;
+        for _ in 0..rounds {
+            pool.for_chunks_stealing(7, |_, c| {
+                chunk_hits[c].fetch_add(1, Ordering::Relaxed);
+            });
+            pool.broadcast(|t| {
+                per_thread[t].fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        assert!(
+            chunk_hits
+                .iter()
+                .all(|h| h.load(Ordering::Relaxed) == rounds)
+        );
+        assert!(
+            per_thread
+                .iter()
+                .all(|h| h.load(Ordering::Relaxed) == rounds)
+        );
+    }
+}
+
+#[test]
+fn stealing_off_gives_each_thread_its_static_share() {
+    let pool = ThreadPool::new(3);
+    pool.set_stealing(false);
+    let n = 11;
+    let by: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(usize::MAX)).collect();
+    pool.for_chunks_stealing(n, |t, c| by[c].store(t, Ordering::Relaxed));
+    for (c, b) in by.iter().enumerate() {
+        let t = (0..3).find(|&t| (t * n / 3..(t + 1) * n / 3).contains(&c));
+        assert_eq!(Some(b.load(Ordering::Relaxed)), t, "chunk {c}");
+    }
+}
