@@ -476,14 +476,7 @@ impl SuffixIndex {
                 break;
             }
         }
-        (best >= a).then(|| {
-            let v = cands
-                .into_iter()
-                .filter(|&(_, m)| m == best)
-                .map(|(c, _)| c)
-                .collect();
-            (v, best)
-        })
+        best_of(cands, best, a)
     }
 
     /// The index's *slot* candidates after `s`: occurrences of the pattern with `s`'s last
@@ -562,14 +555,7 @@ impl SuffixIndex {
                 break;
             }
         }
-        (best >= a).then(|| {
-            let v = cands
-                .into_iter()
-                .filter(|&(_, m)| m == best)
-                .map(|(c, _)| c)
-                .collect();
-            (v, best)
-        })
+        best_of(cands, best, a)
     }
 }
 
