@@ -74,6 +74,8 @@ pub struct AgentBenchSetup {
     pub replay_step_ms: f64,
     /// With `replay`: trace the speculative server's forwards to this file.
     pub replay_trace: Option<PathBuf>,
+    /// Where both servers run the model (each its own copy).
+    pub device: crate::device::DeviceArg,
 }
 
 /// One workload's totals.
@@ -121,10 +123,10 @@ impl Target {
         path: &std::path::Path,
         opts: &runtime::ModelOptions,
         what: &str,
-        backend: Option<(Box<dyn engine::ForwardBackend>, &str)>,
+        backend: Option<(Box<dyn engine::ForwardBackend>, String)>,
     ) -> anyhow::Result<Target> {
         let rt = match backend {
-            Some((b, name)) => runtime::Runtime::open_with_backend(path, opts, b, name),
+            Some((b, name)) => runtime::Runtime::open_with_backend(path, opts, b, &name),
             None => runtime::Runtime::open(path, opts),
         };
         let model = Arc::new(rt.with_context(|| format!("loading {} ({what})", path.display()))?);
@@ -231,6 +233,32 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
     let curve = StepCurve {
         t1_ms: setup.replay_step_ms,
     };
+    let on_cpu = setup.device == crate::device::DeviceArg::Cpu;
+    if !on_cpu && (setup.replay.is_some() || setup.record.is_some()) {
+        bail!("--record and --replay run on the CPU (drop --device)");
+    }
+    if !on_cpu && setup.threads.is_some() {
+        bail!("--threads applies to the CPU only (drop it or use --device cpu)");
+    }
+    // Off the CPU each server gets its own copy of the model on the device, loaded as
+    // `serve --device` loads it.
+    let on_device =
+        |what: &str| -> anyhow::Result<Option<(Box<dyn engine::ForwardBackend>, String)>> {
+            if on_cpu {
+                return Ok(None);
+            }
+            let args = crate::args::ModelArgs {
+                model: setup.model.clone(),
+                threads: None,
+                ctx_size: Some(n_ctx),
+                kv_type: crate::args::KvTypeArg::F16,
+                device: setup.device,
+                prefill_chunk: None,
+            };
+            let loaded = crate::device::backend(&gguf, &args, &name, None, &|n| n + 64)
+                .with_context(|| format!("loading {name} on {} ({what})", setup.device))?;
+            Ok(Some((loaded.backend, loaded.device_name)))
+        };
     let mut plain_misses: Option<Arc<AtomicU64>> = None;
     let mut plain_clock: Option<Arc<AtomicU64>> = None;
     let mut spec_clock: Option<Arc<AtomicU64>> = None;
@@ -238,39 +266,45 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
         .record
         .as_ref()
         .map(|_| Arc::new(Mutex::new(Recording::default())));
-    let plain_backend: Option<(Box<dyn engine::ForwardBackend>, &str)> = match (&replay, &recording)
-    {
-        (Some(rec), _) => {
-            let b = ReplayBackend::new(Arc::clone(rec), curve, n_ctx);
-            plain_misses = Some(b.misses());
-            plain_clock = Some(b.decode_clock());
-            Some((Box::new(b), "replay"))
-        }
-        (None, Some(rec)) => {
-            let model = runtime::load::load_model(
-                &gguf,
-                setup.threads,
-                Some(n_ctx),
-                model::KvType::default(),
-            )?;
-            let inner = engine::ModelBackend::new(Arc::new(model));
-            rec.lock().unwrap_or_else(|e| e.into_inner()).n_vocab =
-                engine::ForwardBackend::n_vocab(&inner);
-            Some((
-                Box::new(RecordingBackend::new(Box::new(inner), Arc::clone(rec))),
-                "recording",
-            ))
-        }
-        (None, None) => None,
+    let plain_backend: Option<(Box<dyn engine::ForwardBackend>, String)> =
+        match (&replay, &recording) {
+            (Some(rec), _) => {
+                let b = ReplayBackend::new(Arc::clone(rec), curve, n_ctx);
+                plain_misses = Some(b.misses());
+                plain_clock = Some(b.decode_clock());
+                Some((Box::new(b), "replay".to_string()))
+            }
+            (None, Some(rec)) => {
+                let model = runtime::load::load_model(
+                    &gguf,
+                    setup.threads,
+                    Some(n_ctx),
+                    model::KvType::default(),
+                )?;
+                let inner = engine::ModelBackend::new(Arc::new(model));
+                rec.lock().unwrap_or_else(|e| e.into_inner()).n_vocab =
+                    engine::ForwardBackend::n_vocab(&inner);
+                Some((
+                    Box::new(RecordingBackend::new(Box::new(inner), Arc::clone(rec))),
+                    "recording".to_string(),
+                ))
+            }
+            (None, None) => on_device("plain")?,
+        };
+    let device_backend = if replay.is_none() {
+        on_device("speculative")?
+    } else {
+        None
     };
-    if replay.is_none() {
+    let device_name = device_backend.as_ref().map(|(_, n)| n.clone());
+    if replay.is_none() && on_cpu {
         runtime::load::check_memory(&gguf, n_ctx, model::KvType::default())?;
     }
     drop(gguf);
     let mut plain = Target::start(&path, &opts, "plain", plain_backend)?;
     plain.clock = plain_clock;
     opts.spec = crate::spec_args::free_spec();
-    let spec_backend: Option<(Box<dyn engine::ForwardBackend>, &str)> = match &replay {
+    let spec_backend: Option<(Box<dyn engine::ForwardBackend>, String)> = match &replay {
         Some(rec) => {
             let mut b = ReplayBackend::new(Arc::clone(rec), curve, n_ctx);
             spec_clock = Some(b.decode_clock());
@@ -281,9 +315,9 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
                 let tok = runtime::load::load_tokenizer(&gguf)?;
                 b = b.with_trace(Box::new(std::io::BufWriter::new(f)), Arc::new(tok));
             }
-            Some((Box::new(b), "replay"))
+            Some((Box::new(b), "replay".to_string()))
         }
-        None => None,
+        None => device_backend,
     };
     let mut spec = Target::start(&path, &opts, "speculative", spec_backend)?;
     spec.clock = spec_clock;
@@ -295,12 +329,15 @@ pub fn run(setup: &AgentBenchSetup, out: &mut dyn Write) -> anyhow::Result<()> {
                 p.display(),
                 setup.replay_step_ms
             ),
-            None => format!(
-                "{} threads",
-                setup.threads.unwrap_or_else(|| {
-                    std::thread::available_parallelism().map_or(1, |n| n.get())
-                })
-            ),
+            None => match &device_name {
+                Some(d) => d.clone(),
+                None => format!(
+                    "{} threads",
+                    setup.threads.unwrap_or_else(|| {
+                        std::thread::available_parallelism().map_or(1, |n| n.get())
+                    })
+                ),
+            },
         };
         writeln!(
             out,

@@ -143,10 +143,11 @@ pub struct BenchArgs {
     )]
     pub spec_workloads: Vec<String>,
 
-    /// Where the pp/tg tests run: cpu (default), cuda, cuda:N or auto. Off the CPU the tests
+    /// Where the model runs: cpu (default), cuda, cuda:N or auto. Off the CPU the pp/tg tests
     /// go through the engine's backend on that device (one prefill in the engine's chunks;
     /// decode steps each reading their logits back, as the engine's steps do) and
-    /// --threads and the bandwidth measurement do not apply
+    /// --threads and the bandwidth measurement do not apply; --spec (target and --draft),
+    /// --agent (both servers) and --serve load the model there too
     #[arg(long = "device", value_name = "DEVICE", default_value_t = crate::device::DeviceArg::Cpu)]
     pub device: crate::device::DeviceArg,
 
@@ -293,6 +294,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             replay: args.replay.clone(),
             replay_step_ms: args.replay_step_ms,
             replay_trace: args.replay_trace.clone(),
+            device: args.device,
         };
         return crate::agent_bench::run(&setup, out);
     }
@@ -318,6 +320,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             replay: args.replay.clone(),
             replay_step_ms: args.replay_step_ms,
             replay_trace: args.replay_trace.clone(),
+            device: args.device,
         };
         return crate::spec_bench::run(&sb, args.output == BenchOutput::Json, out);
     }

@@ -37,8 +37,8 @@ pub struct SpecArgs {
     pub spec: Option<SpecModeArg>,
 
     /// Draft model with the same tokenizer (a known name or a .gguf path), e.g.
-    /// qwen2.5-coder-0.5b for qwen2.5-coder-1.5b; turned off by the cost model when it does
-    /// not pay
+    /// qwen2.5-coder-0.5b for qwen2.5-coder-1.5b; runs on the target's --device; turned off
+    /// by the cost model when it does not pay
     #[arg(long = "draft", value_name = "MODEL")]
     pub draft: Option<String>,
 
@@ -93,9 +93,9 @@ impl SpecArgs {
     }
 
     /// The engine's speculation settings for a target with tokenizer `tok` and logit width
-    /// `n_vocab`; loads and checks the draft model (`model` gives threads, context, KV
-    /// type). `dspark` is the block drafter [`crate::device::backend`] loaded for
-    /// `--dspark` (required when it was given).
+    /// `n_vocab`; loads and checks the draft model on the target's device (`model` gives
+    /// the device, threads, context, KV type). `dspark` is the block drafter
+    /// [`crate::device::backend`] loaded for `--dspark` (required when it was given).
     pub fn engine_spec(
         &self,
         tok: &Tokenizer,
@@ -131,16 +131,20 @@ impl SpecArgs {
                     model: name.clone(),
                     ..model.clone()
                 };
-                let dmodel = runtime::load::load_model(
-                    &gguf,
-                    dargs.threads(),
-                    dargs.ctx_size,
-                    dargs.kv_type.into(),
-                )
-                .with_context(|| format!("loading the draft model {display}"))?;
+                // On the target's device (`--device`), checked against that device's
+                // memory like the target: a draft on the CPU beside a GPU target would
+                // cost more per token than the target itself.
+                let loaded = crate::device::backend(&gguf, &dargs, &display, None, &|_| kv_tokens)
+                    .with_context(|| format!("loading the draft model {display}"))?;
+                let on = if loaded.device_name.starts_with("cuda") {
+                    loaded.device_name.clone()
+                } else {
+                    format!("the CPU ({} kernels)", loaded.device_name)
+                };
+                eprintln!("draft model {display} on {on}");
                 Some(DraftModel::new(
                     display,
-                    Box::new(engine::ModelBackend::new(Arc::new(dmodel))),
+                    loaded.backend,
                     &dtok,
                     tok,
                     n_vocab,

@@ -23,6 +23,8 @@ use serde::Serialize;
 use spec::{DraftModel, DrafterSet, PolicyConfig, SuffixIndex};
 use text::{EncodeOptions, Tokenizer};
 
+use crate::args::ModelArgs;
+use crate::device::DeviceArg;
 use crate::load;
 use crate::replay::{Recording, RecordingBackend, ReplayBackend, StepCurve};
 
@@ -51,6 +53,75 @@ pub struct SpecBenchArgs {
     pub replay_step_ms: f64,
     /// With `replay`: trace the speculative runs' forwards to this file.
     pub replay_trace: Option<PathBuf>,
+    /// Where the target (and the draft model) run.
+    pub device: DeviceArg,
+}
+
+/// Where a run's target forwards come from.
+enum Target {
+    /// The CPU model, shared by every run's backend.
+    Cpu(Arc<Model>),
+    /// Another device (`--device`): each run loads its own backend there, as `run` and
+    /// `serve` load it (a device backend owns its memory; the load is not timed).
+    Device {
+        gguf: Arc<gguf::GgufFile>,
+        args: ModelArgs,
+        name: String,
+    },
+}
+
+impl Target {
+    /// A fresh backend for one run.
+    fn backend(&self) -> anyhow::Result<Box<dyn engine::ForwardBackend>> {
+        Ok(match self {
+            Target::Cpu(m) => Box::new(ModelBackend::new(Arc::clone(m))),
+            Target::Device { gguf, args, name } => {
+                crate::device::backend(gguf, args, name, None, &|n| n + 64)?.backend
+            }
+        })
+    }
+}
+
+/// `name` loaded on `device` (not the CPU).
+struct OnDevice {
+    /// The loaded backend.
+    backend: Box<dyn engine::ForwardBackend>,
+    tok: Tokenizer,
+    /// The display name.
+    name: String,
+    /// What loading it again needs.
+    target: Target,
+    n_vocab: usize,
+}
+
+/// Loads `name` on `device` (not the CPU).
+fn load_on_device(name: &str, device: DeviceArg, n_ctx: usize) -> anyhow::Result<OnDevice> {
+    let path = load::resolve_model_path(name)?;
+    let display = load::display_name(name, &path);
+    let gguf = runtime::load::open_gguf(&path)?;
+    let tok = runtime::load::load_tokenizer(&gguf)?;
+    let args = ModelArgs {
+        model: name.to_string(),
+        threads: None,
+        ctx_size: Some(n_ctx),
+        kv_type: crate::args::KvTypeArg::F16,
+        device,
+        prefill_chunk: None,
+    };
+    let loaded = crate::device::backend(&gguf, &args, &display, None, &|n| n + 64)
+        .with_context(|| format!("loading {display} on {device}"))?;
+    eprintln!("{display} on {}", loaded.device_name);
+    Ok(OnDevice {
+        backend: loaded.backend,
+        tok,
+        name: display.clone(),
+        target: Target::Device {
+            gguf,
+            args,
+            name: display,
+        },
+        n_vocab: loaded.n_vocab,
+    })
 }
 
 /// One generation: its tokens, decode tokens/s and speculation counters.
@@ -384,6 +455,12 @@ fn generate(
 /// Runs the speculative bench and prints a Markdown table (or JSON with `json`).
 pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Result<()> {
     let n_ctx = 2048;
+    if args.replay.is_some() && args.device != DeviceArg::Cpu {
+        bail!("--replay runs no model, so --device does not apply (drop it)");
+    }
+    if args.threads.is_some() && args.device != DeviceArg::Cpu {
+        bail!("--threads applies to the CPU only (drop it or use --device cpu)");
+    }
     let replay = match &args.replay {
         Some(p) => Some(Arc::new(Recording::load(p)?)),
         None => None,
@@ -401,10 +478,16 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
                 rec.n_vocab,
             )
         }
-        None => {
+        None if args.device == DeviceArg::Cpu => {
             let (m, tok, name) = load_model(&args.model, args.threads, n_ctx)?;
             let n_vocab = m.config().n_vocab;
-            (Some(m), tok, name, n_vocab)
+            (Some(Target::Cpu(m)), tok, name, n_vocab)
+        }
+        None => {
+            // Loaded once here to check it fits and to learn its name and width; each run
+            // loads its own.
+            let d = load_on_device(&args.model, args.device, n_ctx)?;
+            (Some(d.target), d.tok, d.name, d.n_vocab)
         }
     };
     let tok = Arc::new(tok);
@@ -431,12 +514,23 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
         bail!("--draft cannot be combined with --record or --replay");
     }
     let draft = match (&args.draft, &model) {
-        (Some(d), Some(_)) => {
+        (Some(d), Some(_)) if args.device == DeviceArg::Cpu => {
             let (dm, dtok, dname) = load_model(d, args.threads, n_ctx)?;
             Some(DraftModel::new(
                 dname,
                 Box::new(ModelBackend::new(dm)),
                 &dtok,
+                &tok,
+                n_vocab,
+                n_ctx + 64,
+            )?)
+        }
+        (Some(d), Some(_)) => {
+            let d = load_on_device(d, args.device, n_ctx)?;
+            Some(DraftModel::new(
+                d.name,
+                d.backend,
+                &d.tok,
                 &tok,
                 n_vocab,
                 n_ctx + 64,
@@ -559,13 +653,11 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
                         }
                         Box::new(b)
                     }
-                    (None, Some(m)) => {
-                        let inner = ModelBackend::new(m.clone());
+                    (None, Some(target)) => {
+                        let inner = target.backend()?;
                         match &recording {
-                            Some(rec) => {
-                                Box::new(RecordingBackend::new(Box::new(inner), Arc::clone(rec)))
-                            }
-                            None => Box::new(inner),
+                            Some(rec) => Box::new(RecordingBackend::new(inner, Arc::clone(rec))),
+                            None => inner,
                         }
                     }
                     (None, None) => bail!("no model and no recording"),
