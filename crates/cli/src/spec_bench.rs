@@ -67,6 +67,9 @@ enum Target {
         gguf: Arc<gguf::GgufFile>,
         args: ModelArgs,
         name: String,
+        /// The backend loaded first (to learn the model's name and width), for the first
+        /// run.
+        first: Mutex<Option<Box<dyn engine::ForwardBackend>>>,
     },
 }
 
@@ -75,21 +78,26 @@ impl Target {
     fn backend(&self) -> anyhow::Result<Box<dyn engine::ForwardBackend>> {
         Ok(match self {
             Target::Cpu(m) => Box::new(ModelBackend::new(Arc::clone(m))),
-            Target::Device { gguf, args, name } => {
-                crate::device::backend(gguf, args, name, None, &|n| n + 64)?.backend
-            }
+            Target::Device {
+                gguf,
+                args,
+                name,
+                first,
+            } => match first.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                Some(b) => b,
+                None => crate::device::backend(gguf, args, name, None, &|n| n + 64)?.backend,
+            },
         })
     }
 }
 
 /// `name` loaded on `device` (not the CPU).
 struct OnDevice {
-    /// The loaded backend.
-    backend: Box<dyn engine::ForwardBackend>,
     tok: Tokenizer,
     /// The display name.
     name: String,
-    /// What loading it again needs.
+    /// The loaded backend (taken by the first [`Target::backend`]) and what loading it
+    /// again needs.
     target: Target,
     n_vocab: usize,
 }
@@ -112,13 +120,13 @@ fn load_on_device(name: &str, device: DeviceArg, n_ctx: usize) -> anyhow::Result
         .with_context(|| format!("loading {display} on {device}"))?;
     eprintln!("{display} on {}", loaded.device_name);
     Ok(OnDevice {
-        backend: loaded.backend,
         tok,
         name: display.clone(),
         target: Target::Device {
             gguf,
             args,
             name: display,
+            first: Mutex::new(Some(loaded.backend)),
         },
         n_vocab: loaded.n_vocab,
     })
@@ -484,8 +492,8 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
             (Some(Target::Cpu(m)), tok, name, n_vocab)
         }
         None => {
-            // Loaded once here to check it fits and to learn its name and width; each run
-            // loads its own.
+            // Loaded here to check it fits and to learn its name and width; the first run
+            // takes this backend, each later run loads its own.
             let d = load_on_device(&args.model, args.device, n_ctx)?;
             (Some(d.target), d.tok, d.name, d.n_vocab)
         }
@@ -529,7 +537,7 @@ pub fn run(args: &SpecBenchArgs, json: bool, out: &mut dyn Write) -> anyhow::Res
             let d = load_on_device(d, args.device, n_ctx)?;
             Some(DraftModel::new(
                 d.name,
-                d.backend,
+                d.target.backend()?,
                 &d.tok,
                 &tok,
                 n_vocab,
