@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// Activation rows per weight-tile pass on AVX-512 (32 registers) when M takes several
 /// passes. On the Zen 4 the kernels run at the `vpdpbusd` throughput (one per cycle) from
 /// about 3 rows per pass: a row costs the same in a pass of 6 as of 8 (Q4_K), and 8-row
-/// passes made a 256-row prefill ~2 % slower, so blocks of more than `MR_ONE` rows keep
+/// passes made a 256-row prefill ~2 % slower (one side-by-side run), so blocks of more than `MR_ONE` rows keep
 /// 6-row passes (2026-12-07, BENCHMARKS.md "Verify cost").
 const MR: usize = 6;
 /// Most rows on AVX-512 that run as one pass: a speculative verify block of 7 or 8 rows
@@ -27,20 +27,21 @@ const MR: usize = 6;
 /// little work (Q4_K: a 1-row pass costs ~1.6 rows of a full one; Q6_K ~2.4). No vector
 /// spills in the Q4_K inner loop at 8 rows (the f32 accumulators live in registers too).
 const MR_ONE: usize = 8;
-/// Activation rows per pass on AVX2 (16 registers) for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
-/// (measured: `examples/prefill.rs`, BENCHMARKS.md; since the fifth bit takes one shift per
-/// chunk, Q5_0 is faster with 4 rows, no spills). Q4_K takes `MR_AVX2_Q4K` rows; the formats
-/// whose codes take more work to decode (Q5_K, Q6_K: fifth bit, bits 4–5) share it over `MR`
-/// rows.
+/// Activation rows per pass on AVX2 (16 registers) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
+/// Q4_K (measured: `examples/prefill.rs`, BENCHMARKS.md; since the fifth bit takes one shift
+/// per chunk, Q5_0 is faster with 4 rows, no spills); the formats whose codes take more work
+/// to decode (Q5_K, Q6_K: fifth bit, bits 4–5) share it over `MR` rows.
 const MR_AVX2: usize = 4;
-/// Activation rows per pass on AVX2 for Q4_K: 5 rather than 4 made a 256-row prefill of
-/// qwen2.5-coder-1.5b 3–14 % faster and a 5-row verify ~10 % cheaper (one pass instead of
-/// 4 + 1), measured side by side in one process (2026-12-07, BENCHMARKS.md "Verify cost").
-const MR_AVX2_Q4K: usize = 5;
+/// Most rows of Q4_K on AVX2 that run as one pass: a 5-row verify block as one pass took
+/// 0.59 ms of one thread's time for 8960 × 1536 against 0.68 ms as 4 + 1 (2026-12-07,
+/// `examples/prefill.rs`). Larger blocks keep passes of at most `MR_AVX2` rows: whether 5-row
+/// passes speed up a prefill could not be told apart from the shared machine's noise
+/// (±10 %), so a 256-row prefill still runs exactly the 64 passes of 4 it ran before.
+const MR_ONE_AVX2_Q4K: usize = 5;
 /// Largest pass any kernel is built for.
 const MR_MAX: usize = MR_ONE;
 
-const _: () = assert!(MR <= MR_MAX && MR_AVX2 <= MR_MAX && MR_AVX2_Q4K <= MR_MAX);
+const _: () = assert!(MR <= MR_MAX && MR_AVX2 <= MR_MAX && MR_ONE_AVX2_Q4K <= MR_MAX);
 
 /// `(mr, one)` for a path and format: blocks of up to `one` rows run as one pass, larger
 /// ones as passes of at most `mr` rows (see `split`).
@@ -48,12 +49,11 @@ fn pass_rows(avx512: bool, id: u8) -> (usize, usize) {
     if avx512 {
         return (MR, MR_ONE);
     }
-    let mr = match id {
-        Q5K | Q6K => MR,
-        Q4K => MR_AVX2_Q4K,
-        _ => MR_AVX2,
-    };
-    (mr, mr)
+    match id {
+        Q5K | Q6K => (MR, MR),
+        Q4K => (MR_AVX2, MR_ONE_AVX2_Q4K),
+        _ => (MR_AVX2, MR_AVX2),
+    }
 }
 
 /// How `n > 0` activation rows split into passes over a weight tile: `(r, n_r, s)` is `n_r`
@@ -1168,7 +1168,7 @@ mod tests {
 
     #[test]
     fn splits_cover_every_row_once_in_passes_of_at_most_the_limit() {
-        for (mr, one) in [(MR, MR_ONE), (MR_AVX2, MR_AVX2), (MR_AVX2_Q4K, MR_AVX2_Q4K)] {
+        for (mr, one) in [(MR, MR_ONE), (MR_AVX2, MR_AVX2), (MR_AVX2, MR_ONE_AVX2_Q4K)] {
             for n in 1..=300 {
                 let (r, n_r, s) = split(n, mr, one);
                 let full = r * n_r;
@@ -1192,7 +1192,9 @@ mod tests {
         assert_eq!(split(13, 6, 8), (5, 1, 4));
         assert_eq!(split(7, 6, 8), (7, 1, 0));
         assert_eq!(split(9, 6, 8), (5, 1, 4));
-        assert_eq!(split(256, 5, 5), (5, 48, 4));
+        assert_eq!(split(256, 4, 5), (4, 64, 0));
+        assert_eq!(split(5, 4, 5), (5, 1, 0));
+        assert_eq!(split(6, 4, 5), (3, 2, 0));
         assert_eq!(split(256, 6, 8), (6, 41, 5));
     }
 }
