@@ -1,7 +1,7 @@
 //! Kernels over the 16-row packed tiles (`crate::packed`). One `vpdpbusd` (AVX-512) or
 //! `pmaddubsw`+`pmaddwd` (AVX2, per 8-row half of a tile) multiplies a vector of 4 codes of
 //! every row by a broadcast of 4 activation bytes, so each i32 lane is one output row's
-//! running integer sum: no horizontal reduction. Up to `MR` activation rows share every
+//! running integer sum: no horizontal reduction. Up to `MR_MAX` activation rows share every
 //! weight load. Per output, the block loop and the f32 fused multiply-adds are exactly the
 //! canonical ones; integer offsets of unsigned codes are removed by starting each block's
 //! integer sum at `−offset·Σa` (exact).
@@ -16,21 +16,64 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Most activation rows per weight-tile pass (AVX-512: 32 registers).
+/// Activation rows per weight-tile pass on AVX-512 (32 registers) when M takes several
+/// passes. On the Zen 4 the kernels run at the `vpdpbusd` throughput (one per cycle) from
+/// about 3 rows per pass: a row costs the same in a pass of 6 as of 8 (Q4_K), and 8-row
+/// passes made a 256-row prefill ~2 % slower (one side-by-side run), so blocks of more than `MR_ONE` rows keep
+/// 6-row passes (2026-12-07, BENCHMARKS.md "Verify cost").
 const MR: usize = 6;
-/// Activation rows per pass on AVX2 (16 registers) for the plain 4-bit formats, Q5_0/Q5_1
-/// and Q8_0; the formats whose codes take more work to decode (Q5_K, Q6_K: fifth bit,
-/// bits 4–5) share it over `MR` rows (measured: `examples/prefill.rs`, BENCHMARKS.md; since
-/// the fifth bit takes one shift per chunk, Q5_0 is faster with 4 rows, no spills).
+/// Most rows on AVX-512 that run as one pass: a speculative verify block of 7 or 8 rows
+/// would otherwise pay a second pass of 1–2 rows, which decodes every weight code again for
+/// little work (Q4_K: a 1-row pass costs ~1.6 rows of a full one; Q6_K ~2.4). No vector
+/// spills in the Q4_K inner loop at 8 rows (the f32 accumulators live in registers too).
+const MR_ONE: usize = 8;
+/// Activation rows per pass on AVX2 (16 registers) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
+/// Q4_K (measured: `examples/prefill.rs`, BENCHMARKS.md; since the fifth bit takes one shift
+/// per chunk, Q5_0 is faster with 4 rows, no spills); the formats whose codes take more work
+/// to decode (Q5_K, Q6_K: fifth bit, bits 4–5) share it over `MR` rows.
 const MR_AVX2: usize = 4;
+/// Most rows of Q4_K on AVX2 that run as one pass: a 5-row verify block as one pass took
+/// 0.59 ms of one thread's time for 8960 × 1536 against 0.68 ms as 4 + 1 (2026-12-07,
+/// `examples/prefill.rs`). Larger blocks keep passes of at most `MR_AVX2` rows: whether 5-row
+/// passes speed up a prefill could not be told apart from the shared machine's noise
+/// (±10 %), so a 256-row prefill still runs exactly the 64 passes of 4 it ran before.
+const MR_ONE_AVX2_Q4K: usize = 5;
+/// Largest pass any kernel is built for.
+const MR_MAX: usize = MR_ONE;
 
-/// Activation rows per weight-tile pass on AVX2 for format `id`.
-fn mr_avx2(id: u8) -> usize {
+const _: () = assert!(MR <= MR_MAX && MR_AVX2 <= MR_MAX && MR_ONE_AVX2_Q4K <= MR_MAX);
+
+/// `(mr, one)` for a path and format: blocks of up to `one` rows run as one pass, larger
+/// ones as passes of at most `mr` rows (see `split`).
+fn pass_rows(avx512: bool, id: u8) -> (usize, usize) {
+    if avx512 {
+        return (MR, MR_ONE);
+    }
     match id {
-        Q5K | Q6K => MR,
-        _ => MR_AVX2,
+        Q5K | Q6K => (MR, MR),
+        Q4K => (MR_AVX2, MR_ONE_AVX2_Q4K),
+        _ => (MR_AVX2, MR_AVX2),
     }
 }
+
+/// How `n > 0` activation rows split into passes over a weight tile: `(r, n_r, s)` is `n_r`
+/// passes of `r` rows, then passes of `s` rows over the rest (if any; `s < r`). Up to `one`
+/// rows are one pass; more are the fewest passes of at most `mr` rows, as even as possible
+/// (13 rows by 6 as 5 + 4 + 4, not 6 + 6 + 1: a pass of 1–2 rows decodes every weight code
+/// for little work). Every output row's arithmetic is the same whichever pass it is in.
+fn split(n: usize, mr: usize, one: usize) -> (usize, usize, usize) {
+    if n <= one {
+        return (n, 1, 0);
+    }
+    let passes = n.div_ceil(mr);
+    let (base, extra) = (n / passes, n % passes);
+    if extra == 0 {
+        (base, passes, 0)
+    } else {
+        (base + 1, extra, base)
+    }
+}
+
 /// Bytes of activation codes kept hot while a block of M rows walks all weight tiles.
 const ACT_BUDGET: usize = 384 * 1024;
 /// Bytes of weight tiles one group of passes over the M rows works on (kept in L2).
@@ -1020,9 +1063,16 @@ macro_rules! table {
             $name::<4, { $fmt }> as Entry,
             $name::<5, { $fmt }> as Entry,
             $name::<6, { $fmt }> as Entry,
+            $name::<7, { $fmt }> as Entry,
+            $name::<8, { $fmt }> as Entry,
         ]
     };
 }
+
+const _: () = assert!(
+    MR_MAX == 8,
+    "`table!` lists one entry per pass size 1..=MR_MAX"
+);
 
 fn fmt_id(format: Format) -> Option<u8> {
     Some(match format {
@@ -1038,7 +1088,7 @@ fn fmt_id(format: Format) -> Option<u8> {
     })
 }
 
-fn entries_for(avx512: bool, id: u8) -> [Entry; MR] {
+fn entries_for(avx512: bool, id: u8) -> [Entry; MR_MAX] {
     macro_rules! pick {
         ($name:ident) => {
             match id {
@@ -1083,32 +1133,68 @@ pub(crate) unsafe fn matmul_packed(
         out: out.as_mut_ptr(),
         ldo,
     };
-    let mr = if avx512 { MR } else { mr_avx2(id) };
+    let (mr, one) = pass_rows(avx512, id);
     let m_total = acts.m;
-    let chunk = (ACT_BUDGET / acts.k).max(mr);
+    let chunk = (ACT_BUDGET / acts.k).max(one);
     // Tiles are walked in groups small enough to stay in L2, and every pass over the M
-    // rows (full MR-row passes, then the rest) runs on one group before the next: weights
-    // stream from memory once whatever M is (M = 7 used to read them twice).
+    // rows (see `split`) runs on one group before the next: weights stream from memory
+    // once whatever M is (M = 7 used to read them twice).
     let group = (WEIGHT_BUDGET / layout.tile).max(1);
     let mut m0 = 0;
     while m0 < m_total {
         let m1 = (m0 + chunk).min(m_total);
-        let full = (m1 - m0) / mr * mr;
-        let rest = m1 - m0 - full;
+        let (r, n_r, s) = split(m1 - m0, mr, one);
+        let full = m0 + r * n_r;
         let mut t0 = tiles.start;
         while t0 < tiles.end {
             let t1 = (t0 + group).min(tiles.end);
-            // SAFETY: forwarded contract; ranges inside 0..M and the matrix's tiles.
+            // SAFETY: forwarded contract; ranges inside 0..M and the matrix's tiles; the
+            // rest after the `r`-row passes is a multiple of `s` rows.
             unsafe {
-                if full > 0 {
-                    entries[mr - 1](&call, t0..t1, m0..m0 + full);
-                }
-                if rest > 0 {
-                    entries[rest - 1](&call, t0..t1, m0 + full..m1);
+                entries[r - 1](&call, t0..t1, m0..full);
+                if full < m1 {
+                    entries[s - 1](&call, t0..t1, full..m1);
                 }
             }
             t0 = t1;
         }
         m0 = m1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_cover_every_row_once_in_passes_of_at_most_the_limit() {
+        for (mr, one) in [(MR, MR_ONE), (MR_AVX2, MR_AVX2), (MR_AVX2, MR_ONE_AVX2_Q4K)] {
+            for n in 1..=300 {
+                let (r, n_r, s) = split(n, mr, one);
+                let full = r * n_r;
+                assert!(r >= 1 && n_r >= 1 && full <= n, "n={n} mr={mr}");
+                let rest = n - full;
+                if n <= one {
+                    assert_eq!((r, n_r, rest), (n, 1, 0), "n={n} one={one}");
+                    continue;
+                }
+                assert!(r <= mr, "n={n} mr={mr}");
+                assert_eq!(
+                    n_r + rest.checked_div(s).unwrap_or(0),
+                    n.div_ceil(mr),
+                    "n={n}"
+                );
+                if rest > 0 {
+                    assert!(s == r - 1 && rest % s == 0, "n={n} mr={mr}: {r} {n_r} {s}");
+                }
+            }
+        }
+        assert_eq!(split(13, 6, 8), (5, 1, 4));
+        assert_eq!(split(7, 6, 8), (7, 1, 0));
+        assert_eq!(split(9, 6, 8), (5, 1, 4));
+        assert_eq!(split(256, 4, 5), (4, 64, 0));
+        assert_eq!(split(5, 4, 5), (5, 1, 0));
+        assert_eq!(split(6, 4, 5), (3, 2, 0));
+        assert_eq!(split(256, 6, 8), (6, 41, 5));
     }
 }

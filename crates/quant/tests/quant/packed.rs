@@ -97,6 +97,17 @@ const TILED: [Format; 8] = [
     Format::Q6_K,
 ];
 
+/// Row counts 1..=25: every pass size (up to 8 rows), alone and split in several passes.
+const ALL_M: [usize; 25] = {
+    let mut m = [0; 25];
+    let mut i = 0;
+    while i < 25 {
+        m[i] = i + 1;
+        i += 1;
+    }
+    m
+};
+
 fn k_values(format: Format) -> &'static [usize] {
     match format.act_layout() {
         ActLayout::Float => &[2, 17, 64],
@@ -128,12 +139,9 @@ fn packed_matmul_is_bit_identical_to_the_scalar_reference_for_every_format_path_
             for n in [1usize, 15, 17, 33] {
                 let w = random_matrix(format, n, k, &mut rng);
                 let packed = PackedMatrix::pack(format, &w, n, k).unwrap();
-                // M 1..=9 covers every M-tile tail; the largest K only for a few M.
-                let ms: &[usize] = if k >= 576 {
-                    &[1, 5, 9]
-                } else {
-                    &[1, 2, 3, 4, 5, 6, 7, 8, 9]
-                };
+                // M 1..=25 covers every pass size the kernels have (up to 8 rows) and
+                // every split of M into passes; the largest K only for a few M.
+                let ms: &[usize] = if k >= 576 { &[1, 5, 9, 13, 25] } else { &ALL_M };
                 for &m in ms {
                     let x = random_acts(&mut rng, m * k);
                     let acts = acts_for(&scalar, format, k, &x);
@@ -165,7 +173,7 @@ fn packed_rows_of_a_batch_equal_the_rows_computed_alone() {
     for ks in Kernels::all_available() {
         for format in TILED {
             let k = k_values(format)[1];
-            let (n, m) = (20, 11);
+            let (n, m) = (20, 27);
             let w = random_matrix(format, n, k, &mut rng);
             let packed = PackedMatrix::pack(format, &w, n, k).unwrap();
             let x = random_acts(&mut rng, m * k);
