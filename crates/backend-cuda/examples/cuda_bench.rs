@@ -21,7 +21,9 @@
 //! kernels of a 512-row and a 2048-row prefill and of one decode step (graphs off, a wait around each launch) at contexts 64 and
 //! 512, summed by kernel. `--steps-only` runs a 64-token prefill and four decode steps
 //! without graphs and nothing else (for an external profiler such as `ncu`); `--pp-only`
-//! stops after the first pp512 (a prefill's kernels for a profiler).
+//! stops after the first pp512 (a prefill's kernels for a profiler); `--quick` prints
+//! pp512, pp2048 and tg128 (the default kernels only, the choice on the device) and stops,
+//! for side-by-side rounds against llama-bench.
 
 use engine::{ForwardBackend, ForwardRow, KvSlot, ModelBackend};
 use gguf::GgufFile;
@@ -179,9 +181,10 @@ fn tg128(b: &mut lockstep_backend_cuda::CudaBackend) -> f64 {
 
 fn main() {
     const USAGE: &str = "usage: cuda_bench MODEL.gguf [--check-cpu] [--unordered] [--profile] \
-                         [--ab] [--steps-only] [--pp-only]\n(the options are described at the top of \
+                         [--ab] [--steps-only] [--pp-only] [--quick]\n(the options are described at the top of \
                          crates/backend-cuda/examples/cuda_bench.rs)";
-    const FLAGS: [&str; 6] = [
+    const FLAGS: [&str; 7] = [
+        "--quick",
         "--check-cpu",
         "--unordered",
         "--profile",
@@ -267,6 +270,13 @@ fn main() {
     let (pp_s, pp_logits) = pp512_logits(&mut b, &prompt);
     println!("pp512: {:.1} ms, {:.0} tokens/s", pp_s * 1e3, 512.0 / pp_s);
     if args.iter().any(|a| a == "--pp-only") {
+        return;
+    }
+    if args.iter().any(|a| a == "--quick") {
+        let (pp2, _) = prefill_logits(&mut b, &long);
+        println!("pp2048: {:.1} ms, {:.0} tokens/s", pp2 * 1e3, 2048.0 / pp2);
+        let tg_s = tg128(&mut b);
+        println!("tg128: {:.3} ms/token, {:.1} tokens/s", tg_s * 1e3, 1.0 / tg_s);
         return;
     }
     let dev = b.model().device();

@@ -198,7 +198,13 @@ const KERNELS: &[&str] = &[
 /// limit is raised for them at load).
 const LARGE_SMEM: &[&str] = &[
     "attention_tiled",
+    "mmqw_q4_k",
     "mmqw_q6_k",
+    "mmqw_q4_0",
+    "mmqw_q4_1",
+    "mmqw_q5_0",
+    "mmqw_q5_1",
+    "mmqw_q8_0",
     "matvec_q4_0",
     "matvec_q4_0_rows",
     "matvec_q4_1",

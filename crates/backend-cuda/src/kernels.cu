@@ -346,6 +346,27 @@ __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
 }
 
+// The dynamic shared memory this launch was given (bytes): the kernels that lay out their
+// own check it against what they need and trap rather than run past the end.
+__device__ __forceinline__ u32 dynamic_smem_bytes() {
+    u32 r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// A 4-byte copy (cp.async takes 4, 8 or 16 bytes; under 16 through L1).
+__device__ __forceinline__ void cp_async4(void* s, const void* g) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(s)), "l"(g) : "memory");
+}
+
+// Closes the group of copies issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most N committed groups are still in flight (the newest ones).
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Queues the copy of bytes [src, src + len) into s (16-byte aligned); returns where src[0]
 // lands.
 __device__ __forceinline__ const u8* stage_issue(u8* s, const u8* src, int len, int lane) {
@@ -885,6 +906,11 @@ MMQ(mmq_q6_k, F_Q6_K)
 // thread): without it the driver's compiler gave mmqw_q4_k 218, two CTAs (8 warps) per SM.
 #define MMQW_CTAS 3
 #define MMQW_RS 144
+// mmqw_q4_k's dynamic shared memory: two stages (raw blocks, codes, activation scales: one
+// in flight while the other is computed), then the scales and mins of the columns, the
+// rows' code sums as hi and lo bytes, the columns' d and dmin.
+#define MMQW4_STAGE (MMQ_N * MMQW_RS + MMQW_M * MMQ_LD + 4 * MMQW_M)
+#define MMQW4_SMEM (2 * MMQW4_STAGE + 2 * 8 * MMQ_N + 2 * 8 * MMQW_M + 4 * 2 * MMQ_N)
 
 // m16n8k32 (.s8), C = 0: a0 = A[g][4t..4t+3], a1 = A[g+8][4t..], a2 = A[g][16+4t..],
 // a3 = A[g+8][16+4t..]; b0 = B[4t..4t+3][g], b1 = B[16+4t..16+4t+3][g]; d as mma_s8_16.
@@ -900,6 +926,27 @@ __device__ __forceinline__ void mma_s8_32(int* d, int a0, int a1, int a2, int a3
 #endif
 }
 
+// One stage of mmqw_q4_k (MMQW4_STAGE bytes at st): the columns' whole raw blocks b, the
+// rows' codes and activation scales of block b, as asynchronous copies (rows and columns
+// past the end read the last one; their results are never stored). The caller commits.
+__device__ __forceinline__ void mmqw4_issue(u8* st, const u8* wm, const i8* qs, const float* ad, int col0, int n,
+                                            int r0, int m, int k, int nb, int b, int tid) {
+    const int BB = Meta<F_Q4_K>::BB;
+    i8* s_a = (i8*)(st + MMQ_N * MMQW_RS);
+    float* s_da = (float*)(s_a + MMQW_M * MMQ_LD);
+    for (int i = tid; i < MMQ_N * (BB / 16); i += MMQ_THREADS) {
+        int c = i / (BB / 16), ch = i - c * (BB / 16);
+        int col = min(col0 + c, n - 1);
+        cp_async16(st + c * MMQW_RS + ch * 16, wm + ((size_t)col * nb + b) * BB + ch * 16);
+    }
+    for (int i = tid; i < MMQW_M * 16; i += MMQ_THREADS) {
+        int r = i >> 4, ch = i & 15;
+        int row = min(r0 + r, m - 1);
+        cp_async16(s_a + r * MMQ_LD + ch * 16, qs + (size_t)row * k + (size_t)b * 256 + ch * 16);
+    }
+    if (tid < MMQW_M) cp_async4(s_da + tid, ad + (size_t)min(r0 + tid, m - 1) * nb + b);
+}
+
 template <int F>
 __device__ __forceinline__ void mmqw_impl(const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int n2,
                                           float* o0, float* o1, float* o2, const float* b0, const float* b1,
@@ -907,14 +954,14 @@ __device__ __forceinline__ void mmqw_impl(const u8* w0, const u8* w1, const u8* 
                                           int mode) {
     static_assert(F == F_Q4_K, "mmqw takes Q4_K");
     const bool PAIR = (mode & 3) == 2;
-    const int BB = Meta<F>::BB;
-    __shared__ __align__(16) u8 s_raw[MMQ_N * MMQW_RS];
-    __shared__ __align__(16) i8 s_a[MMQW_M * MMQ_LD];
-    __shared__ __align__(16) u8 s_sc[MMQ_N * 8];
-    __shared__ __align__(16) u8 s_mn[MMQ_N * 8];
-    __shared__ __align__(16) u8 s_ah[MMQW_M * 8];
-    __shared__ __align__(16) u8 s_al[MMQW_M * 8];
-    __shared__ float s_d[MMQ_N], s_m[MMQ_N], s_da[MMQW_M];
+    extern __shared__ __align__(16) u8 smem[];
+    if (dynamic_smem_bytes() < MMQW4_SMEM) __trap();
+    u8* s_sc = smem + 2 * MMQW4_STAGE;
+    u8* s_mn = s_sc + MMQ_N * 8;
+    u8* s_ah = s_mn + MMQ_N * 8;
+    u8* s_al = s_ah + MMQW_M * 8;
+    float* s_d = (float*)(s_al + MMQW_M * 8);
+    float* s_m = s_d + MMQ_N;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int g = lane >> 2, tq = lane & 3;
     const u8* w;
@@ -934,23 +981,17 @@ __device__ __forceinline__ void mmqw_impl(const u8* w0, const u8* w1, const u8* 
             for (int a = 0; a < 4; a++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) acc[mi][a][i] = 0.0f;
+        mmqw4_issue(smem, wm, qs, ad, col0, n, r0, m, k, nb, 0, tid);
+        cp_async_commit();
         for (int b = 0; b < nb; b++) {
-            __syncthreads();  // every read of the previous block's shared data is done
-            // Stage: whole raw blocks of the columns, the rows' codes and scales (rows and
-            // columns past the end read the last one; their results are never stored).
-            for (int i = tid; i < MMQ_N * (BB / 16); i += MMQ_THREADS) {
-                int c = i / (BB / 16), ch = i - c * (BB / 16);
-                int col = min(col0 + c, n - 1);
-                cp_async16(s_raw + c * MMQW_RS + ch * 16, wm + ((size_t)col * nb + b) * BB + ch * 16);
-            }
-            for (int i = tid; i < MMQW_M * 16; i += MMQ_THREADS) {
-                int r = i >> 4, ch = i & 15;
-                int row = min(r0 + r, m - 1);
-                cp_async16(s_a + r * MMQ_LD + ch * 16, qs + (size_t)row * k + (size_t)b * 256 + ch * 16);
-            }
-            if (tid < MMQW_M) s_da[tid] = ad[(size_t)min(r0 + tid, m - 1) * nb + b];
-            cp_async_wait_all();
+            // The next block's stage goes in flight while this one is computed.
+            if (b + 1 < nb) mmqw4_issue(smem + ((b + 1) & 1) * MMQW4_STAGE, wm, qs, ad, col0, n, r0, m, k, nb, b + 1, tid);
+            cp_async_commit();
+            cp_async_wait<1>();
             __syncthreads();
+            const u8* s_raw = smem + (b & 1) * MMQW4_STAGE;
+            const i8* s_a = (const i8*)(s_raw + MMQ_N * MMQW_RS);
+            const float* s_da = (const float*)(s_a + MMQW_M * MMQ_LD);
             // The columns' sub-block scales and mins (a thread per column), the rows'
             // sub-block code sums as hi and lo bytes (two threads per row, four j each).
             if (tid < MMQ_N) {
@@ -1049,6 +1090,7 @@ __device__ __forceinline__ void mmqw_impl(const u8* w0, const u8* w1, const u8* 
                     }
                 }
             }
+            __syncthreads();  // every read of this stage is done before it is refilled
         }
         if (PAIR && h == 0) {
 #pragma unroll
@@ -1068,6 +1110,37 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQW_CTAS) mmqw_q4_k(M
     mmqw_impl<F_Q4_K>(w0, w1, w2, n0, n1, n2, o0, o1, o2, b0, b1, b2, qs, ad, k, m, mode);
 }
 
+// Bytes a column of the 32-element formats' tiles takes in a stage: eight blocks starting
+// anywhere in a 16-byte line.
+template <int F> struct Rs32 { enum { V = (8 * Meta<F>::BB + 30) / 16 * 16 }; };
+
+// One stage of the 32-element formats' tensor-core kernels (mmq32_impl, mmqw32_impl): blocks
+// b0s .. b0s + nbl (nbl <= 8) of every column of the tile into raw (Rs32 bytes a column),
+// the codes of ROWS activation rows over those blocks into sa (MMQ_LD bytes a row), their
+// scales into da (8 a row), as asynchronous copies (rows and columns past the end read the
+// last one; their results are never stored). The caller commits and waits.
+template <int F, int ROWS>
+__device__ __forceinline__ void mmq32_issue(u8* raw, i8* sa, float* da, const u8* wm, const i8* qs, const float* ad,
+                                            int col0, int n, int r0, int m, int k, int nb, int b0s, int nbl,
+                                            int tid) {
+    const int BB = Meta<F>::BB;
+    int warp = tid >> 5, lane = tid & 31;
+    for (int c = warp; c < MMQ_N; c += MMQ_THREADS / 32) {
+        int col = min(col0 + c, n - 1);
+        stage_issue(raw + c * Rs32<F>::V, wm + ((size_t)col * nb + b0s) * BB, nbl * BB, lane);
+    }
+    for (int i = tid; i < ROWS * 16; i += MMQ_THREADS) {
+        int r = i >> 4, ch = i & 15;
+        int row = min(r0 + r, m - 1);
+        if (ch < 2 * nbl)
+            cp_async16(sa + r * MMQ_LD + ch * 16, qs + (size_t)row * k + (size_t)b0s * 32 + ch * 16);
+    }
+    for (int i = tid; i < ROWS * 8; i += MMQ_THREADS) {
+        int r = i >> 3, j = i & 7;
+        if (j < nbl) cp_async4(da + i, ad + (size_t)min(r0 + r, m - 1) * nb + b0s + j);
+    }
+}
+
 // The tensor-core kernel of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
 // the same tiles, warps and fragments as mmq_impl; a stage holds up to eight consecutive
 // blocks of every column (256 activations per row; the last stage of a row may hold fewer,
@@ -1081,7 +1154,7 @@ __device__ __forceinline__ void mmq32_impl(const u8* w0, const u8* w1, const u8*
                                            int mode) {
     const bool PAIR = (mode & 3) == 2;
     const int BB = Meta<F>::BB;
-    const int RS = (8 * BB + 30) / 16 * 16;  // eight blocks starting anywhere in a 16-byte line
+    const int RS = Rs32<F>::V;
     const bool MIN = F == F_Q4_1 || F == F_Q5_1;
     __shared__ __align__(16) u8 s_raw[MMQ_N * RS];
     __shared__ __align__(16) i8 s_w[MMQ_N * MMQ_LD];
@@ -1110,20 +1183,7 @@ __device__ __forceinline__ void mmq32_impl(const u8* w0, const u8* w1, const u8*
         for (int b0s = 0; b0s < nb; b0s += 8) {
             int nbl = min(8, nb - b0s);
             __syncthreads();  // every read of the previous stage's shared data is done
-            for (int c = warp; c < MMQ_N; c += MMQ_THREADS / 32) {
-                int col = min(col0 + c, n - 1);
-                stage_issue(s_raw + c * RS, wm + ((size_t)col * nb + b0s) * BB, nbl * BB, lane);
-            }
-            for (int i = tid; i < MMQ_M * 16; i += MMQ_THREADS) {
-                int r = i >> 4, ch = i & 15;
-                int row = min(r0 + r, m - 1);
-                if (ch < 2 * nbl)
-                    cp_async16(s_a + r * MMQ_LD + ch * 16, qs + (size_t)row * k + (size_t)b0s * 32 + ch * 16);
-            }
-            for (int i = tid; i < MMQ_M * 8; i += MMQ_THREADS) {
-                int r = i >> 3, j = i & 7;
-                if (j < nbl) s_da[i] = ad[(size_t)min(r0 + r, m - 1) * nb + b0s + j];
-            }
+            mmq32_issue<F, MMQ_M>(s_raw, s_a, s_da, wm, qs, ad, col0, n, r0, m, k, nb, b0s, nbl, tid);
             cp_async_wait_all();
             __syncthreads();
             for (int i = tid; i < MMQ_N * 64; i += MMQ_THREADS) {
@@ -1201,8 +1261,11 @@ __device__ __forceinline__ void mmq32_impl(const u8* w0, const u8* w1, const u8*
 // exact integer 64 * (A . Hi) + (A . Lo), two accumulating m16n8k32 chains over the block's
 // 256 values with no per-sub-block scaling in the loop. Then block_step in block order, as
 // every other kernel. Dynamic shared memory (MMQW6_SMEM bytes; the host raises the limit).
+// Two stages (raw blocks, codes, activation scales, where each column's block landed): one
+// in flight while the other is computed; then the hi and lo weight bytes and the columns' d.
 #define MMQW6_RS 240  // a 210-byte block starting anywhere in a 16-byte line
-#define MMQW6_SMEM (MMQ_N * MMQW6_RS + MMQW_M * MMQ_LD + 2 * MMQ_N * MMQ_LD + 4 * (MMQ_N + MMQW_M + MMQ_N))
+#define MMQW6_STAGE (MMQ_N * MMQW6_RS + MMQW_M * MMQ_LD + 4 * MMQW_M + 4 * MMQ_N)
+#define MMQW6_SMEM (2 * MMQW6_STAGE + 2 * MMQ_N * MMQ_LD + 4 * MMQ_N)
 
 // m16n8k32 (.s8) accumulating into c (fragments as mma_s8_32).
 __device__ __forceinline__ void mma_s8_32c(int* c, int a0, int a1, int a2, int a3, int b0, int b1) {
@@ -1217,18 +1280,36 @@ __device__ __forceinline__ void mma_s8_32c(int* c, int a0, int a1, int a2, int a
 #endif
 }
 
+// One stage of mmqw_q6_k (MMQW6_STAGE bytes at st), as mmqw4_issue; Q6_K's 210-byte blocks
+// start anywhere in a 16-byte line, so where each column's block lands is kept with them.
+__device__ __forceinline__ void mmqw6_issue(u8* st, const u8* wm, const i8* qs, const float* ad, int col0, int n,
+                                            int r0, int m, int k, int nb, int b, int tid) {
+    const int BB = Meta<F_Q6_K>::BB;
+    int warp = tid >> 5, lane = tid & 31;
+    i8* s_a = (i8*)(st + MMQ_N * MMQW6_RS);
+    float* s_da = (float*)(s_a + MMQW_M * MMQ_LD);
+    int* s_off = (int*)(s_da + MMQW_M);
+    for (int c = warp; c < MMQ_N; c += MMQ_THREADS / 32) {
+        int col = min(col0 + c, n - 1);
+        const u8* at = stage_issue(st + c * MMQW6_RS, wm + ((size_t)col * nb + b) * BB, BB, lane);
+        if (lane == 0) s_off[c] = (int)(at - (st + c * MMQW6_RS));
+    }
+    for (int i = tid; i < MMQW_M * 16; i += MMQ_THREADS) {
+        int r = i >> 4, ch = i & 15;
+        int row = min(r0 + r, m - 1);
+        cp_async16(s_a + r * MMQ_LD + ch * 16, qs + (size_t)row * k + (size_t)b * 256 + ch * 16);
+    }
+    if (tid < MMQW_M) cp_async4(s_da + tid, ad + (size_t)min(r0 + tid, m - 1) * nb + b);
+}
+
 extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQW_CTAS) mmqw_q6_k(MATMUL_ARGS) {
     const int F = F_Q6_K;
     const bool PAIR = (mode & 3) == 2;
-    const int BB = Meta<F>::BB;
     extern __shared__ __align__(16) u8 smem[];
-    u8* s_raw = smem;
-    i8* s_a = (i8*)(s_raw + MMQ_N * MMQW6_RS);
-    i8* s_wh = s_a + MMQW_M * MMQ_LD;
+    if (dynamic_smem_bytes() < MMQW6_SMEM) __trap();
+    i8* s_wh = (i8*)(smem + 2 * MMQW6_STAGE);
     i8* s_wl = s_wh + MMQ_N * MMQ_LD;
     float* s_d = (float*)(s_wl + MMQ_N * MMQ_LD);
-    float* s_da = s_d + MMQ_N;
-    int* s_off = (int*)(s_da + MMQW_M);
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int g = lane >> 2, tq = lane & 3;
     const u8* w;
@@ -1248,21 +1329,18 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQW_CTAS) mmqw_q6_k(M
             for (int a = 0; a < 4; a++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) acc[mi][a][i] = 0.0f;
+        mmqw6_issue(smem, wm, qs, ad, col0, n, r0, m, k, nb, 0, tid);
+        cp_async_commit();
         for (int b = 0; b < nb; b++) {
-            __syncthreads();  // every read of the previous block's shared data is done
-            for (int c = warp; c < MMQ_N; c += MMQ_THREADS / 32) {
-                int col = min(col0 + c, n - 1);
-                const u8* at = stage_issue(s_raw + c * MMQW6_RS, wm + ((size_t)col * nb + b) * BB, BB, lane);
-                if (lane == 0) s_off[c] = (int)(at - (s_raw + c * MMQW6_RS));
-            }
-            for (int i = tid; i < MMQW_M * 16; i += MMQ_THREADS) {
-                int r = i >> 4, ch = i & 15;
-                int row = min(r0 + r, m - 1);
-                cp_async16(s_a + r * MMQ_LD + ch * 16, qs + (size_t)row * k + (size_t)b * 256 + ch * 16);
-            }
-            if (tid < MMQW_M) s_da[tid] = ad[(size_t)min(r0 + tid, m - 1) * nb + b];
-            cp_async_wait_all();
+            // The next block's stage goes in flight while this one is computed.
+            if (b + 1 < nb) mmqw6_issue(smem + ((b + 1) & 1) * MMQW6_STAGE, wm, qs, ad, col0, n, r0, m, k, nb, b + 1, tid);
+            cp_async_commit();
+            cp_async_wait<1>();
             __syncthreads();
+            const u8* s_raw = smem + (b & 1) * MMQW6_STAGE;
+            const i8* s_a = (const i8*)(s_raw + MMQ_N * MMQW6_RS);
+            const float* s_da = (const float*)(s_a + MMQW_M * MMQ_LD);
+            const int* s_off = (const int*)(s_da + MMQW_M);
             // The scaled weights split into hi and lo bytes (four values per step).
             for (int i = tid; i < MMQ_N * 64; i += MMQ_THREADS) {
                 int c = i >> 6, q = i & 63;
@@ -1323,6 +1401,7 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQW_CTAS) mmqw_q6_k(M
                         acc[mi][a][i] = block_step<F>(acc[mi][a][i], s_d[c], 0.0f, s_da[r],
                                                       dh[mi][a][i] * 64 + dl[mi][a][i], 0);
                     }
+            __syncthreads();  // every read of this stage is done before it is refilled
         }
         if (PAIR && h == 0) {
 #pragma unroll
@@ -1338,6 +1417,25 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQW_CTAS) mmqw_q6_k(M
         mmq_store(acc[mi], accg[mi], out, bias, n, m, r0 + wr + 16 * mi + g, col0 + wc + 2 * tq, mode);
 }
 
+// mmqw32's dynamic shared memory: two stages (raw blocks, codes, activation scales of eight
+// blocks: one in flight while the other is computed), then the columns' d (and m) and the
+// rows' code sums of Q4_1 / Q5_1. The host's `mmqw32_smem` computes the same sizes.
+template <int F> struct Mmqw32Smem {
+    enum {
+        STAGE = MMQ_N * Rs32<F>::V + MMQW_M * MMQ_LD + 4 * MMQW_M * 8,
+        MIN = F == F_Q4_1 || F == F_Q5_1,
+        BYTES = 2 * STAGE + 4 * MMQ_N * 8 + (MIN ? 4 * MMQ_N * 8 + 4 * MMQW_M * 8 : 0),
+    };
+};
+
+template <int F>
+__device__ __forceinline__ void mmqw32_issue(u8* st, const u8* wm, const i8* qs, const float* ad, int col0, int n,
+                                             int r0, int m, int k, int nb, int b0s, int tid) {
+    i8* sa = (i8*)(st + MMQ_N * Rs32<F>::V);
+    float* da = (float*)(sa + MMQW_M * MMQ_LD);
+    mmq32_issue<F, MMQW_M>(st, sa, da, wm, qs, ad, col0, n, r0, m, k, nb, b0s, min(8, nb - b0s), tid);
+}
+
 // Wide tiles for the 32-element block formats (mmqw32): mmq32_impl's stages and arithmetic
 // (per output and block: the exact integer dot, then block_step in block order) over 64
 // rows by 64 columns (four warps of 32 × 32), one m16n8k32 step per block, its weight
@@ -1350,14 +1448,14 @@ __device__ __forceinline__ void mmqw32_impl(const u8* w0, const u8* w1, const u8
                                             int mode) {
     const bool PAIR = (mode & 3) == 2;
     const int BB = Meta<F>::BB;
-    const int RS = (8 * BB + 30) / 16 * 16;  // eight blocks starting anywhere in a 16-byte line
+    const int RS = Rs32<F>::V;
+    const int STAGE = Mmqw32Smem<F>::STAGE;
     const bool MIN = F == F_Q4_1 || F == F_Q5_1;
-    __shared__ __align__(16) u8 s_raw[MMQ_N * RS];
-    __shared__ __align__(16) i8 s_a[MMQW_M * MMQ_LD];
-    __shared__ float s_d[MMQ_N * 8];
-    __shared__ float s_m[MIN ? MMQ_N * 8 : 1];
-    __shared__ int s_as[MIN ? MMQW_M * 8 : 1];
-    __shared__ float s_da[MMQW_M * 8];
+    extern __shared__ __align__(16) u8 smem[];
+    if (dynamic_smem_bytes() < Mmqw32Smem<F>::BYTES) __trap();
+    float* s_d = (float*)(smem + 2 * STAGE);
+    float* s_m = s_d + MMQ_N * 8;        // Q4_1 and Q5_1 only
+    int* s_as = (int*)(s_m + MMQ_N * 8);  // Q4_1 and Q5_1 only
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int g = lane >> 2, tq = lane & 3;
     const u8* w;
@@ -1377,25 +1475,18 @@ __device__ __forceinline__ void mmqw32_impl(const u8* w0, const u8* w1, const u8
             for (int a = 0; a < 4; a++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) acc[mi][a][i] = 0.0f;
-        for (int b0s = 0; b0s < nb; b0s += 8) {
+        mmqw32_issue<F>(smem, wm, qs, ad, col0, n, r0, m, k, nb, 0, tid);
+        cp_async_commit();
+        for (int b0s = 0, st = 0; b0s < nb; b0s += 8, st ^= 1) {
             int nbl = min(8, nb - b0s);
-            __syncthreads();  // every read of the previous stage's shared data is done
-            for (int c = warp; c < MMQ_N; c += MMQ_THREADS / 32) {
-                int col = min(col0 + c, n - 1);
-                stage_issue(s_raw + c * RS, wm + ((size_t)col * nb + b0s) * BB, nbl * BB, lane);
-            }
-            for (int i = tid; i < MMQW_M * 16; i += MMQ_THREADS) {
-                int r = i >> 4, ch = i & 15;
-                int row = min(r0 + r, m - 1);
-                if (ch < 2 * nbl)
-                    cp_async16(s_a + r * MMQ_LD + ch * 16, qs + (size_t)row * k + (size_t)b0s * 32 + ch * 16);
-            }
-            for (int i = tid; i < MMQW_M * 8; i += MMQ_THREADS) {
-                int r = i >> 3, j = i & 7;
-                if (j < nbl) s_da[i] = ad[(size_t)min(r0 + r, m - 1) * nb + b0s + j];
-            }
-            cp_async_wait_all();
+            // The next stage goes in flight while this one is computed.
+            if (b0s + 8 < nb) mmqw32_issue<F>(smem + (st ^ 1) * STAGE, wm, qs, ad, col0, n, r0, m, k, nb, b0s + 8, tid);
+            cp_async_commit();
+            cp_async_wait<1>();
             __syncthreads();
+            const u8* s_raw = smem + st * STAGE;
+            const i8* s_a = (const i8*)(s_raw + MMQ_N * RS);
+            const float* s_da = (const float*)(s_a + MMQW_M * MMQ_LD);
             for (int i = tid; i < MMQ_N * 8; i += MMQ_THREADS) {
                 int c = i >> 3, j = i & 7;
                 if (j >= nbl) continue;
@@ -1458,6 +1549,7 @@ __device__ __forceinline__ void mmqw32_impl(const u8* w0, const u8* w1, const u8
                     }
                 }
             }
+            __syncthreads();  // every read of this stage is done before it is refilled
         }
         if (PAIR && h == 0) {
 #pragma unroll

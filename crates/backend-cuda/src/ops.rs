@@ -177,9 +177,25 @@ fn block_geometry(f: Format) -> (usize, usize) {
 const MMQ_M: usize = 32;
 /// Rows per wide Q4_K tensor-core tile (`MMQW_M` in kernels.cu).
 const MMQW_M: usize = 64;
-/// Dynamic shared memory of the wide Q6_K kernel (`MMQW6_SMEM` in kernels.cu): the staged
-/// raw blocks, the rows' codes, the hi and lo weight bytes, scales and offsets.
-const MMQW6_SMEM: u32 = 64 * 240 + 64 * 272 + 2 * 64 * 272 + 4 * (64 + 64 + 64);
+/// Dynamic shared memory of the wide Q6_K kernel (`MMQW6_SMEM` in kernels.cu): two stages
+/// (raw blocks, the rows' codes, activation scales, block offsets), the hi and lo weight
+/// bytes, the columns' scales.
+const MMQW6_SMEM: u32 = 2 * (64 * 240 + 64 * 272 + 4 * 64 + 4 * 64) + 2 * 64 * 272 + 4 * 64;
+/// Dynamic shared memory of the wide Q4_K kernel (`MMQW4_SMEM` in kernels.cu): two stages
+/// (raw blocks, the rows' codes, activation scales), the columns' sub-block scales and mins,
+/// the rows' code sums as hi and lo bytes, the columns' d and dmin.
+const MMQW4_SMEM: u32 = 2 * (64 * 144 + 64 * 272 + 4 * 64) + 2 * 8 * 64 + 2 * 8 * 64 + 4 * 2 * 64;
+/// Dynamic shared memory of the wide kernels of the 32-element block formats
+/// (`Mmqw32Smem<F>::BYTES` in kernels.cu): two stages of eight blocks (each column's raw
+/// blocks from any 16-byte line, the rows' codes and activation scales), the columns' d, and
+/// for the formats with a minimum (Q4_1, Q5_1) the columns' m and the rows' code sums.
+fn mmqw32_smem(f: Format) -> u32 {
+    let bb = f.block_bytes() as u32;
+    let rs = (8 * bb + 30) / 16 * 16;
+    let stage = 64 * rs + 64 * 272 + 4 * 64 * 8;
+    let min = matches!(f, Format::Q4_1 | Format::Q5_1);
+    2 * stage + 4 * 64 * 8 + if min { 4 * 64 * 8 + 4 * 64 * 8 } else { 0 }
+}
 /// Columns per tensor-core matmul tile (`MMQ_N` in kernels.cu).
 const MMQ_N: usize = 64;
 /// Threads per tensor-core matmul CTA (`MMQ_THREADS` in kernels.cu).
@@ -490,14 +506,15 @@ impl Device {
                 u32::try_from(m.div_ceil(rows)).unwrap_or(u32::MAX),
                 1,
             );
-            if kernel == "mmqw_q6_k" {
-                return self.launch_smem(
-                    kernel,
-                    grid,
-                    (MMQ_THREADS, 1, 1),
-                    MMQW6_SMEM,
-                    &args(0, 0)?,
-                );
+            // The wide kernels keep two stages in dynamic shared memory.
+            let smem = match (kernel, wide.is_some()) {
+                ("mmqw_q6_k", _) => Some(MMQW6_SMEM),
+                ("mmqw_q4_k", _) => Some(MMQW4_SMEM),
+                (_, true) => Some(mmqw32_smem(w.format)),
+                _ => None,
+            };
+            if let Some(smem) = smem {
+                return self.launch_smem(kernel, grid, (MMQ_THREADS, 1, 1), smem, &args(0, 0)?);
             }
             return self.launch(kernel, grid, (MMQ_THREADS, 1, 1), &args(0, 0)?);
         }
