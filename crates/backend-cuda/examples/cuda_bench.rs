@@ -276,7 +276,11 @@ fn main() {
         let (pp2, _) = prefill_logits(&mut b, &long);
         println!("pp2048: {:.1} ms, {:.0} tokens/s", pp2 * 1e3, 2048.0 / pp2);
         let tg_s = tg128(&mut b);
-        println!("tg128: {:.3} ms/token, {:.1} tokens/s", tg_s * 1e3, 1.0 / tg_s);
+        println!(
+            "tg128: {:.3} ms/token, {:.1} tokens/s",
+            tg_s * 1e3,
+            1.0 / tg_s
+        );
         return;
     }
     let dev = b.model().device();
