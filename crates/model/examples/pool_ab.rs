@@ -11,9 +11,9 @@
 //! (48 single-row decode forwards per measurement; `pp`: one 256-row prefill), 2 threads.
 //! The kernels follow `LOCKSTEP_KERNELS` / `LOCKSTEP_CPU_ISA` as everywhere.
 
-use lockstep_model::{BatchRow, LoadOptions, Model};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
@@ -36,19 +36,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect::<Result<_, String>>()?;
     let prefill = args.get(4).is_some_and(|a| a == "pp");
     let threads: usize = args.get(5).map_or(Ok(2), |s| s.parse())?;
-    let path = hub::ensure_model(name)?;
-    let gguf = Arc::new(gguf::GgufFile::open(path)?);
-    let opts = LoadOptions {
-        threads: Some(threads),
-        n_ctx: Some(1024),
-        ..LoadOptions::default()
-    };
-    let model = Model::load(gguf, &opts)?;
-    let n_vocab = model.config().n_vocab as u32;
-    let mut kv = model.new_kv_cache(1024)?;
-    let mut scratch = model.new_scratch();
-    let mut logits = Vec::new();
-    let token = |i: usize| (i as u32 * 7919 + 13) % n_vocab.min(30_000);
+    let mut b = common::Bench::load(name, threads)?;
     let mut speeds: Vec<Vec<f64>> = vec![Vec::new(); settings.len()];
     for round in 0..rounds {
         // ABBA: reverse the order every other round.
@@ -59,35 +47,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         for i in order {
             let (steal, us, _) = &settings[i];
-            model.pool().set_stealing(*steal);
-            model.pool().set_spin(Duration::from_micros(*us));
-            let mut seq = model.new_sequence(&kv);
-            let t = Instant::now();
-            let n = if prefill {
-                let rows: Vec<BatchRow> = (0..256)
-                    .map(|pos| BatchRow {
-                        seq: 0,
-                        token: token(pos),
-                        pos,
-                        wants_logits: pos == 255,
-                    })
-                    .collect();
-                model.forward(&mut scratch, &mut kv, &mut [&mut seq], &rows, &mut logits)?;
-                256
-            } else {
-                for pos in 0..48 {
-                    let row = [BatchRow {
-                        seq: 0,
-                        token: token(pos),
-                        pos,
-                        wants_logits: true,
-                    }];
-                    model.forward(&mut scratch, &mut kv, &mut [&mut seq], &row, &mut logits)?;
-                }
-                48
-            };
-            speeds[i].push(n as f64 / t.elapsed().as_secs_f64());
-            kv.release_sequence(seq);
+            b.model.pool().set_stealing(*steal);
+            b.model.pool().set_spin(Duration::from_micros(*us));
+            speeds[i].push(b.measure(prefill)?);
         }
     }
     let test = if prefill { "pp256" } else { "tg48" };

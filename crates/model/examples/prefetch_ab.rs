@@ -9,9 +9,7 @@
 //! measurement is 48 single-row decode forwards on 2 threads, or with a fourth argument
 //! `pp` one 256-row prefill forward.
 
-use lockstep_model::{BatchRow, LoadOptions, Model};
-use std::sync::Arc;
-use std::time::Instant;
+mod common;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
@@ -24,50 +22,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(str::parse)
         .collect::<Result<_, _>>()?;
     let prefill = args.get(4).is_some_and(|a| a == "pp");
-    let path = hub::ensure_model(name)?;
-    let gguf = Arc::new(gguf::GgufFile::open(path)?);
-    let opts = LoadOptions {
-        threads: Some(2),
-        n_ctx: Some(1024),
-        ..LoadOptions::default()
-    };
-    let model = Model::load(gguf, &opts)?;
-    let n_vocab = model.config().n_vocab as u32;
-    let mut kv = model.new_kv_cache(1024)?;
-    let mut scratch = model.new_scratch();
-    let mut logits = Vec::new();
-    let token = |i: usize| (i as u32 * 7919 + 13) % n_vocab.min(30_000);
+    let mut b = common::Bench::load(name, 2)?;
     let mut speeds: Vec<Vec<f64>> = vec![Vec::new(); distances.len()];
     for _ in 0..rounds {
         for (i, &d) in distances.iter().enumerate() {
             quant::set_stream_prefetch(d);
-            let mut seq = model.new_sequence(&kv);
-            let t = Instant::now();
-            let n = if prefill {
-                let rows: Vec<BatchRow> = (0..256)
-                    .map(|pos| BatchRow {
-                        seq: 0,
-                        token: token(pos),
-                        pos,
-                        wants_logits: pos == 255,
-                    })
-                    .collect();
-                model.forward(&mut scratch, &mut kv, &mut [&mut seq], &rows, &mut logits)?;
-                256
-            } else {
-                for pos in 0..48 {
-                    let row = [BatchRow {
-                        seq: 0,
-                        token: token(pos),
-                        pos,
-                        wants_logits: true,
-                    }];
-                    model.forward(&mut scratch, &mut kv, &mut [&mut seq], &row, &mut logits)?;
-                }
-                48
-            };
-            speeds[i].push(n as f64 / t.elapsed().as_secs_f64());
-            kv.release_sequence(seq);
+            speeds[i].push(b.measure(prefill)?);
         }
     }
     let test = if prefill { "pp256" } else { "tg48" };

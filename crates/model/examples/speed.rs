@@ -6,8 +6,8 @@
 //! ```
 //! `model` is a known model name (default `smollm2-135m`), `threads` defaults to 2.
 
-use lockstep_model::{BatchRow, LoadOptions, Model};
-use std::sync::Arc;
+mod common;
+
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -15,52 +15,40 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let name = args.get(1).map_or("smollm2-135m", String::as_str);
     let threads: usize = args.get(2).map_or(Ok(2), |s| s.parse())?;
     let reps: usize = args.get(3).map_or(Ok(1), |s| s.parse())?;
-    let path = hub::ensure_model(name)?;
-    let gguf = Arc::new(gguf::GgufFile::open(path)?);
-    let opts = LoadOptions {
-        threads: Some(threads),
-        n_ctx: Some(1024),
-        ..LoadOptions::default()
-    };
-    let model = Model::load(gguf, &opts)?;
-    let n_vocab = model.config().n_vocab as u32;
-    let mut kv = model.new_kv_cache(1024)?;
-    let mut scratch = model.new_scratch();
-    let mut logits = Vec::new();
-    let token = |i: usize| (i as u32 * 7919 + 13) % n_vocab.min(30_000);
+    let mut b = common::Bench::load(name, threads)?;
     println!(
         "{name}: {} threads, kernels {}",
-        model.n_threads(),
+        b.model.n_threads(),
         quant::kernels().name()
     );
     for _ in 0..reps {
-        let mut seq = model.new_sequence(&kv);
-        let rows: Vec<BatchRow> = (0..512)
-            .map(|pos| BatchRow {
-                seq: 0,
-                token: token(pos),
-                pos,
-                wants_logits: pos == 511,
-            })
-            .collect();
+        let mut seq = b.model.new_sequence(&b.kv);
+        let rows = b.rows(0, 512, true);
         let t = Instant::now();
-        model.forward(&mut scratch, &mut kv, &mut [&mut seq], &rows, &mut logits)?;
+        b.model.forward(
+            &mut b.scratch,
+            &mut b.kv,
+            &mut [&mut seq],
+            &rows,
+            &mut b.logits,
+        )?;
         let pp = 512.0 / t.elapsed().as_secs_f64();
-        kv.release_sequence(seq);
+        b.kv.release_sequence(seq);
 
-        let mut seq = model.new_sequence(&kv);
+        let mut seq = b.model.new_sequence(&b.kv);
         let t = Instant::now();
         for pos in 0..128 {
-            let row = [BatchRow {
-                seq: 0,
-                token: token(pos),
-                pos,
-                wants_logits: true,
-            }];
-            model.forward(&mut scratch, &mut kv, &mut [&mut seq], &row, &mut logits)?;
+            let row = b.rows(pos, pos + 1, false);
+            b.model.forward(
+                &mut b.scratch,
+                &mut b.kv,
+                &mut [&mut seq],
+                &row,
+                &mut b.logits,
+            )?;
         }
         let tg = 128.0 / t.elapsed().as_secs_f64();
-        kv.release_sequence(seq);
+        b.kv.release_sequence(seq);
         println!("pp512 {pp:8.1} t/s   tg128 {tg:8.1} t/s");
     }
     Ok(())

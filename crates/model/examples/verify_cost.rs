@@ -6,8 +6,8 @@
 //! cargo run --release -p lockstep-model --example verify_cost -- [model] [threads] [reps]
 //! ```
 
-use lockstep_model::{BatchRow, LoadOptions, Model};
-use std::sync::Arc;
+mod common;
+
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -15,33 +15,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let name = args.get(1).map_or("smollm2-135m", String::as_str);
     let threads: usize = args.get(2).map_or(Ok(2), |s| s.parse())?;
     let reps: usize = args.get(3).map_or(Ok(7), |s| s.parse())?;
-    let path = hub::ensure_model(name)?;
-    let gguf = Arc::new(gguf::GgufFile::open(path)?);
-    let opts = LoadOptions {
-        threads: Some(threads),
-        n_ctx: Some(1024),
-        ..LoadOptions::default()
-    };
-    let model = Model::load(gguf, &opts)?;
-    let n_vocab = model.config().n_vocab as u32;
-    let mut kv = model.new_kv_cache(1024)?;
-    let mut scratch = model.new_scratch();
-    let mut logits = Vec::new();
-    let token = |i: usize| (i as u32 * 7919 + 13) % n_vocab.min(30_000);
+    let mut b = common::Bench::load(name, threads)?;
     let prompt = 256;
-    let mut seq = model.new_sequence(&kv);
-    let rows: Vec<BatchRow> = (0..prompt)
-        .map(|pos| BatchRow {
-            seq: 0,
-            token: token(pos),
-            pos,
-            wants_logits: false,
-        })
-        .collect();
-    model.forward(&mut scratch, &mut kv, &mut [&mut seq], &rows, &mut logits)?;
+    let mut seq = b.model.new_sequence(&b.kv);
+    let rows = b.rows(0, prompt, true);
+    b.model.forward(
+        &mut b.scratch,
+        &mut b.kv,
+        &mut [&mut seq],
+        &rows,
+        &mut b.logits,
+    )?;
     println!(
         "{name}: {} threads, {reps} reps (median)",
-        model.n_threads()
+        b.model.n_threads()
     );
     println!("| M | ms | t(M)/t(1) | ms per row |\n| -: | -: | -: | -: |");
     let mut t1 = 0.0;
@@ -49,18 +36,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut times = vec![Vec::new(); 17];
     for _ in 0..reps {
         for (m, slot) in times.iter_mut().enumerate().skip(1) {
-            let rows: Vec<BatchRow> = (prompt..prompt + m)
-                .map(|pos| BatchRow {
-                    seq: 0,
-                    token: token(pos),
-                    pos,
-                    wants_logits: true,
-                })
-                .collect();
+            let rows = b.rows(prompt, prompt + m, false);
             let t = Instant::now();
-            model.forward(&mut scratch, &mut kv, &mut [&mut seq], &rows, &mut logits)?;
+            b.model.forward(
+                &mut b.scratch,
+                &mut b.kv,
+                &mut [&mut seq],
+                &rows,
+                &mut b.logits,
+            )?;
             slot.push(t.elapsed().as_secs_f64() * 1e3);
-            kv.truncate(&mut seq, prompt);
+            b.kv.truncate(&mut seq, prompt);
         }
     }
     for (m, slot) in times.iter_mut().enumerate().skip(1) {
@@ -71,6 +57,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         println!("| {m} | {ms:.2} | {:.2} | {:.2} |", ms / t1, ms / m as f64);
     }
-    kv.release_sequence(seq);
+    b.kv.release_sequence(seq);
     Ok(())
 }
