@@ -23,7 +23,10 @@
 //! without graphs and nothing else (for an external profiler such as `ncu`); `--pp-only`
 //! stops after the first pp512 (a prefill's kernels for a profiler); `--quick` prints
 //! pp512, pp2048 and tg128 (the default kernels only, the choice on the device) and stops,
-//! for side-by-side rounds against llama-bench.
+//! for side-by-side rounds against llama-bench. `--verify-only` prints the verify-cost curve
+//! with the default tensor-core threshold and with tensor cores from two rows (the same
+//! bits, checked) the time of one decode step at contexts 64 to 4000, and tg128 with the tensor cores from one
+//! row on the general kernels, and stops.
 
 use engine::{ForwardBackend, ForwardRow, KvSlot, ModelBackend};
 use gguf::GgufFile;
@@ -179,11 +182,133 @@ fn tg128(b: &mut lockstep_backend_cuda::CudaBackend) -> f64 {
     tg128_with(b, Choice::Device).0
 }
 
+/// The verify-cost curve at a 512-token context: the median time of an M-row step for M =
+/// 1..=16 (rows `draft[..M]` after `prompt`), the slot (holding the prompt) and the
+/// 16-row block's logits.
+fn verify_curve(
+    b: &mut lockstep_backend_cuda::CudaBackend,
+    prompt: &[u32],
+    draft: &[u32],
+) -> (KvSlot, Vec<(usize, f64)>, Vec<f32>) {
+    let mut logits = Vec::new();
+    let s = b.kv_new();
+    b.kv_prepare(s, 0, 512).expect("prepare");
+    b.forward(&rows(s, 0, &prompt[..512], false), &mut logits)
+        .expect("forward");
+    let mut curve = Vec::new();
+    let mut block16 = Vec::new();
+    for m in 1..=16usize {
+        let mut ts = Vec::new();
+        for _ in 0..7 {
+            b.kv_prepare(s, 512, 512 + m).expect("prepare");
+            let t = Instant::now();
+            b.forward(&rows(s, 512, &draft[..m], true), &mut logits)
+                .expect("forward");
+            ts.push(t.elapsed().as_secs_f64());
+            b.kv_truncate(s, 512);
+        }
+        if m == 16 {
+            block16 = logits.clone();
+        }
+        curve.push((m, median(ts)));
+    }
+    (s, curve, block16)
+}
+
+/// The median time of one decode step (the choice on the device) at each context in
+/// `ctxs` (a prefill of that many tokens of `long` first, then 9 steps, the first untimed).
+fn decode_by_context(
+    b: &mut lockstep_backend_cuda::CudaBackend,
+    long: &[u32],
+    ctxs: &[usize],
+) -> Vec<(usize, f64)> {
+    let mut logits = Vec::new();
+    let mut out = Vec::new();
+    for &ctx in ctxs {
+        let s = b.kv_new();
+        b.kv_prepare(s, 0, ctx).expect("prepare");
+        for (i, chunk) in long[..ctx].chunks(1024).enumerate() {
+            b.forward(&rows(s, i * 1024, chunk, false), &mut logits)
+                .expect("forward");
+        }
+        let mut tok = 1u32;
+        let mut ts = Vec::new();
+        for p in ctx..ctx + 9 {
+            b.kv_prepare(s, p, p + 1).expect("prepare");
+            let t = Instant::now();
+            tok = b
+                .forward_greedy(&rows(s, p, &[tok], true))
+                .expect("forward")[0];
+            if p > ctx {
+                ts.push(t.elapsed().as_secs_f64());
+            }
+        }
+        b.kv_release(s);
+        out.push((ctx, median(ts)));
+    }
+    out
+}
+
+/// `--verify-only`: the verify-cost curve with the default tensor-core threshold and with
+/// tensor cores from two rows (same bits, checked), and one decode step by context.
+fn verify_only(b: &mut lockstep_backend_cuda::CudaBackend, long: &[u32]) {
+    let nv = b.n_vocab();
+    let draft: Vec<u32> = (0..16u32).map(|i| (i * 104_729 + 7) % nv as u32).collect();
+    let dev = b.model().device();
+    let base = dev.mma_min_rows();
+    let mut runs = Vec::new();
+    for min_rows in [base, 2, base] {
+        b.model().device().set_mma_min_rows(min_rows);
+        let (s, curve, block) = verify_curve(b, &long[..512], &draft);
+        b.kv_release(s);
+        runs.push((min_rows, curve, block));
+    }
+    b.model().device().set_mma_min_rows(base);
+    println!(
+        "verify cost at context 512, ms by tensor-core threshold (M, then each run's ms and t(M)/t(1)):"
+    );
+    for m in 0..16 {
+        let cells: Vec<String> = runs
+            .iter()
+            .map(|(mr, c, _)| format!("mma>={mr:2}: {:.3} ms {:.2}", c[m].1 * 1e3, c[m].1 / c[0].1))
+            .collect();
+        println!("  M={:2}  {}", m + 1, cells.join(" | "));
+    }
+    let same = runs.iter().all(|(_, _, blk)| {
+        blk.iter()
+            .map(|v| v.to_bits())
+            .eq(runs[0].2.iter().map(|v| v.to_bits()))
+    });
+    println!("16-row verify logits the same under every threshold: {same}");
+    let ctxs = [64usize, 512, 1024, 2048, 4000];
+    for (ctx, t) in decode_by_context(b, long, &ctxs) {
+        println!("decode step at context {ctx:5}: {:.3} ms", t * 1e3);
+    }
+    // One-row steps on the general kernels with the tensor cores from one row, against
+    // the default choice (matvec kernels where the model has them).
+    let opts = b.step_options();
+    let t_def = tg128(b);
+    b.set_step_options(lockstep_backend_cuda::StepOptions::matvec_mode(0));
+    let t_gen = tg128(b);
+    b.model().device().set_mma_min_rows(1);
+    let (t_mma, mma_tokens) = tg128_with(b, Choice::Device);
+    b.model().device().set_mma_min_rows(base);
+    b.set_step_options(opts);
+    let (_, def_tokens) = tg128_with(b, Choice::Device);
+    println!(
+        "tg128 ms/token: default {:.3}, general kernels {:.3}, general kernels with tensor cores from one row {:.3}; the same tokens: {}",
+        t_def * 1e3,
+        t_gen * 1e3,
+        t_mma * 1e3,
+        mma_tokens == def_tokens
+    );
+}
+
 fn main() {
     const USAGE: &str = "usage: cuda_bench MODEL.gguf [--check-cpu] [--unordered] [--profile] \
-                         [--ab] [--steps-only] [--pp-only] [--quick]\n(the options are described at the top of \
+                         [--ab] [--steps-only] [--pp-only] [--quick] [--verify-only]\n(the options are described at the top of \
                          crates/backend-cuda/examples/cuda_bench.rs)";
-    const FLAGS: [&str; 7] = [
+    const FLAGS: [&str; 8] = [
         "--quick",
         "--check-cpu",
         "--unordered",
@@ -191,6 +316,7 @@ fn main() {
         "--ab",
         "--pp-only",
         "--steps-only",
+        "--verify-only",
     ];
     let args: Vec<String> = std::env::args().collect();
     if args.iter().skip(1).any(|a| a == "--help" || a == "-h") {
@@ -267,6 +393,11 @@ fn main() {
         return;
     }
 
+    if args.iter().any(|a| a == "--verify-only") {
+        let long4: Vec<u32> = (0..4096u32).map(|i| (i * 7919 + 13) % nv as u32).collect();
+        verify_only(&mut b, &long4);
+        return;
+    }
     let (pp_s, pp_logits) = pp512_logits(&mut b, &prompt);
     println!("pp512: {:.1} ms, {:.0} tokens/s", pp_s * 1e3, 512.0 / pp_s);
     if args.iter().any(|a| a == "--pp-only") {
@@ -483,33 +614,9 @@ fn main() {
     }
 
     // Verify-cost curve at a 512-token context.
-    let s = b.kv_new();
-    b.kv_prepare(s, 0, 512).expect("prepare");
-    b.forward(&rows(s, 0, &prompt, false), &mut logits)
-        .expect("forward");
     let draft: Vec<u32> = (0..16u32).map(|i| (i * 104_729 + 7) % nv as u32).collect();
-    let mut t1 = 0.0;
-    let mut curve = Vec::new();
-    let mut block16 = Vec::new();
-    for m in 1..=16usize {
-        let mut ts = Vec::new();
-        for _ in 0..7 {
-            b.kv_prepare(s, 512, 512 + m).expect("prepare");
-            let t = Instant::now();
-            b.forward(&rows(s, 512, &draft[..m], true), &mut logits)
-                .expect("forward");
-            ts.push(t.elapsed().as_secs_f64());
-            b.kv_truncate(s, 512);
-        }
-        let tm = median(ts);
-        if m == 1 {
-            t1 = tm;
-        }
-        if m == 16 {
-            block16 = logits.clone();
-        }
-        curve.push((m, tm));
-    }
+    let (s, curve, block16) = verify_curve(&mut b, &prompt, &draft);
+    let t1 = curve[0].1;
     println!("verify-cost curve at context 512 (M, ms, t(M)/t(1)):");
     for (m, tm) in &curve {
         println!("  M={m:2}  {:.3} ms  {:.2}", tm * 1e3, tm / t1);

@@ -75,6 +75,8 @@ pub struct Device {
     /// ([`Device::set_mma`]).
     mma: std::sync::atomic::AtomicBool,
     mmq_wide: std::sync::atomic::AtomicBool,
+    /// The fewest rows a matmul takes the tensor-core kernels for ([`Device::set_mma_min_rows`]).
+    mma_min_rows: std::sync::atomic::AtomicUsize,
     profile: std::sync::Mutex<Option<Vec<(String, f64)>>>,
 }
 
@@ -318,6 +320,10 @@ pub fn device_count() -> usize {
     CudaContext::device_count().map_or(0, |n| usize::try_from(n).unwrap_or(0))
 }
 
+/// The fewest rows a matmul takes the tensor-core kernels for unless
+/// `LOCKSTEP_CUDA_MMA_MIN_ROWS` or [`Device::set_mma_min_rows`] says otherwise.
+pub const MMA_MIN_ROWS_DEFAULT: usize = 17;
+
 /// The tensor-core prefill matmuls' default: on unless `LOCKSTEP_CUDA_MMA=0`.
 fn mma_default() -> bool {
     std::env::var("LOCKSTEP_CUDA_MMA").map_or(true, |v| v != "0")
@@ -475,6 +481,12 @@ impl Device {
             mmq_wide: std::sync::atomic::AtomicBool::new(
                 std::env::var("LOCKSTEP_CUDA_MMQW").map_or(true, |v| v != "0"),
             ),
+            mma_min_rows: std::sync::atomic::AtomicUsize::new(
+                std::env::var("LOCKSTEP_CUDA_MMA_MIN_ROWS")
+                    .ok()
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .map_or(MMA_MIN_ROWS_DEFAULT, |n| n.max(1)),
+            ),
             profile: std::sync::Mutex::new(None),
         })
     }
@@ -507,7 +519,7 @@ impl Device {
     }
 
     /// Turns the tensor-core prefill matmuls (`mmq_*`: Q4_K, Q6_K and the 32-element block
-    /// formats over 17 or more rows) on or off. They compute the same bits as the other matmul kernels (the
+    /// formats over [`Device::mma_min_rows`] or more rows, 17 by default) on or off. They compute the same bits as the other matmul kernels (the
     /// same exact integer block sums, the same float steps in block order), so this only
     /// changes speed; on by default (`LOCKSTEP_CUDA_MMA=0` turns them off), and never on
     /// below compute capability 8.0 (no int8 `mma` instruction there).
@@ -532,6 +544,20 @@ impl Device {
     pub fn set_mmq_wide(&self, on: bool) {
         self.mmq_wide
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Sets the fewest rows a matmul takes the tensor-core kernels for (at least 1; fewer go
+    /// to the warp kernels, which read each weight block once per 16 rows). The same bits
+    /// either way, so this only changes speed; `LOCKSTEP_CUDA_MMA_MIN_ROWS` sets it at start.
+    pub fn set_mma_min_rows(&self, rows: usize) {
+        self.mma_min_rows
+            .store(rows.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The fewest rows a matmul takes the tensor-core kernels for
+    /// ([`Device::set_mma_min_rows`]).
+    pub fn mma_min_rows(&self) -> usize {
+        self.mma_min_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether the wide Q4_K tiles are on ([`Device::set_mmq_wide`]).

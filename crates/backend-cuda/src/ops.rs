@@ -200,9 +200,6 @@ fn mmqw32_smem(f: Format) -> u32 {
 const MMQ_N: usize = 64;
 /// Threads per tensor-core matmul CTA (`MMQ_THREADS` in kernels.cu).
 const MMQ_THREADS: u32 = 128;
-/// The fewest rows a matmul takes the tensor-core kernel for (fewer go to the warp
-/// kernels, which read each weight block once per 16 rows and need no tile padding).
-const MMQ_MIN_ROWS: usize = 17;
 
 /// The tensor-core prefill kernel of a weight format, where there is one.
 fn mmq_kernel(f: Format) -> Option<&'static str> {
@@ -482,7 +479,7 @@ impl Device {
         // Tensor cores for many rows of the formats that have a kernel for them: tiles of
         // MMQ_M rows by MMQ_N columns, the same bits as the warp kernels below.
         if let Some(kernel) = mmq_kernel(w.format)
-            .filter(|_| m >= MMQ_MIN_ROWS && self.mma() && !self.unordered_matmul())
+            .filter(|_| m >= self.mma_min_rows() && self.mma() && !self.unordered_matmul())
         {
             let tiles: usize = if pair {
                 w.n.div_ceil(MMQ_N)

@@ -3,7 +3,8 @@
 //! clients, each sending the same number of streaming chat-completion requests one after
 //! another, and reports the aggregate generation speed (completion tokens of the run over
 //! its wall time) and the time to first token (request sent → first content delta) at the
-//! 50th and 99th percentile.
+//! 50th and 99th percentile, with the engine's step counters over the run (steps, rows
+//! per step, wall ms per step and the part of it spent in the backend's forward).
 //!
 //! Every request generates exactly `max_tokens` tokens (`ignore_eos`, temperature 0), and
 //! every prompt is distinct (it names the run, client and request), so the prefix cache
@@ -25,8 +26,9 @@ use crate::load;
 #[derive(Debug, Clone, Args)]
 pub struct ServeBenchArgs {
     /// Load benchmark of `lockstep serve` instead: aggregate tokens/s and p50/p99 time to
-    /// first token of concurrent streaming chat clients (first -m is the model, first -n
-    /// the tokens per request, first -t the forward threads)
+    /// first token of concurrent streaming chat clients, and the engine's steps (rows per
+    /// step, ms per step, ms of it in the forward) (first -m is the model, first -n the
+    /// tokens per request, first -t the forward threads)
     #[arg(long = "serve", conflicts_with_all = ["spec", "constraint"])]
     pub serve: bool,
 
@@ -92,6 +94,35 @@ struct RunResult {
     ttft_p50_ms: f64,
     ttft_p99_ms: f64,
     ttft_max_ms: f64,
+    /// The engine's forward steps during the run.
+    steps: u64,
+    /// Mean rows per step (prefill and decode rows together).
+    rows_per_step: f64,
+    /// Mean wall time per step, ms.
+    step_ms: f64,
+    /// Mean time per step inside the backend's forward, ms (the rest is the engine's own
+    /// work: scheduling, sampling, grammar, speculation).
+    forward_ms: f64,
+}
+
+/// The engine's step counters over one run (the difference of two snapshots).
+#[derive(Debug, Clone, Copy, Default)]
+struct StepStats {
+    steps: u64,
+    rows: u64,
+    step_ms: f64,
+    forward_ms: f64,
+}
+
+impl StepStats {
+    fn between(before: &engine::EngineMetrics, after: &engine::EngineMetrics) -> StepStats {
+        StepStats {
+            steps: after.steps.saturating_sub(before.steps),
+            rows: after.rows_total.saturating_sub(before.rows_total),
+            step_ms: after.step_ms_total - before.step_ms_total,
+            forward_ms: after.forward_ms_total - before.forward_ms_total,
+        }
+    }
 }
 
 /// Runs the benchmark and writes the table (or JSON) to `out`.
@@ -152,6 +183,7 @@ pub fn run(
         Some(n) => Request::Tokens(token_prompt_body(tag, n as usize, n_vocab, max_tokens)),
         None => Request::Chat(request_body(tag, max_tokens)),
     };
+    let served_model = Arc::clone(&model);
     let server = server::BackgroundServer::start(
         SocketAddr::from(([127, 0, 0, 1], 0)),
         model,
@@ -176,8 +208,8 @@ pub fn run(
         )?;
         writeln!(
             out,
-            "\n| clients | requests | tokens | wall s | aggregate t/s | per-client t/s | TTFT p50 ms | TTFT p99 ms |\n\
-             | ------: | -------: | -----: | -----: | ------------: | -------------: | ----------: | ----------: |"
+            "\n| clients | requests | tokens | wall s | aggregate t/s | per-client t/s | TTFT p50 ms | TTFT p99 ms | steps | rows/step | step ms | forward ms |\n\
+             | ------: | -------: | -----: | -----: | ------------: | -------------: | ----------: | ----------: | ----: | --------: | ------: | ---------: |"
         )?;
         out.flush()?;
     }
@@ -186,6 +218,7 @@ pub fn run(
         .context("the warm-up request failed")?;
     let mut results = Vec::new();
     for (run_index, &clients) in args.clients.iter().enumerate() {
+        let before = served_model.engine().metrics();
         let r = run_clients(
             addr,
             run_index,
@@ -193,11 +226,12 @@ pub fn run(
             args.requests_per_client as usize,
             &|tag| request(tag, setup.max_tokens),
         )?;
-        let result = summarize(&name, clients, setup.max_tokens, &r);
+        let steps = StepStats::between(&before, &served_model.engine().metrics());
+        let result = summarize(&name, clients, setup.max_tokens, &r, steps);
         if !setup.json {
             writeln!(
                 out,
-                "| {} | {} | {} | {:.2} | {:.1} | {:.1} | {:.0} | {:.0} |",
+                "| {} | {} | {} | {:.2} | {:.1} | {:.1} | {:.0} | {:.0} | {} | {:.1} | {:.2} | {:.2} |",
                 result.clients,
                 result.requests,
                 result.completion_tokens,
@@ -205,7 +239,11 @@ pub fn run(
                 result.tokens_per_second,
                 result.per_client_tokens_per_second,
                 result.ttft_p50_ms,
-                result.ttft_p99_ms
+                result.ttft_p99_ms,
+                result.steps,
+                result.rows_per_step,
+                result.step_ms,
+                result.forward_ms
             )?;
             out.flush()?;
         }
@@ -268,7 +306,13 @@ fn run_clients(
     Ok(RunSamples { samples: all, wall })
 }
 
-fn summarize(model: &str, clients: usize, max_tokens: usize, run: &RunSamples) -> RunResult {
+fn summarize(
+    model: &str,
+    clients: usize,
+    max_tokens: usize,
+    run: &RunSamples,
+    steps: StepStats,
+) -> RunResult {
     let tokens: usize = run.samples.iter().map(|s| s.tokens).sum();
     let wall = run.wall.as_secs_f64();
     let mut ttft: Vec<f64> = run
@@ -277,6 +321,13 @@ fn summarize(model: &str, clients: usize, max_tokens: usize, run: &RunSamples) -
         .map(|s| s.ttft.as_secs_f64() * 1e3)
         .collect();
     ttft.sort_by(f64::total_cmp);
+    let per_step = |x: f64| {
+        if steps.steps > 0 {
+            x / steps.steps as f64
+        } else {
+            0.0
+        }
+    };
     let aggregate = if wall > 0.0 {
         tokens as f64 / wall
     } else {
@@ -294,6 +345,10 @@ fn summarize(model: &str, clients: usize, max_tokens: usize, run: &RunSamples) -
         ttft_p50_ms: percentile(&ttft, 50.0),
         ttft_p99_ms: percentile(&ttft, 99.0),
         ttft_max_ms: ttft.last().copied().unwrap_or(0.0),
+        steps: steps.steps,
+        rows_per_step: per_step(steps.rows as f64),
+        step_ms: per_step(steps.step_ms),
+        forward_ms: per_step(steps.forward_ms),
     }
 }
 

@@ -448,6 +448,12 @@ pub struct EngineMetrics {
     pub last_step_ms: f64,
     /// Mean wall time per step, ms.
     pub mean_step_ms: f64,
+    /// Total wall time of all steps, ms.
+    pub step_ms_total: f64,
+    /// Total time inside the backend's forward calls (the batched forward of each step,
+    /// and the per-sequence reruns that isolate a failing one), ms: `step_ms_total` minus
+    /// this is the engine's own work (scheduling, sampling, grammar, speculation).
+    pub forward_ms_total: f64,
     /// Tokens whose KV came from the prefix cache (all admissions, re-admissions after
     /// preemption included).
     pub prefix_cache_hit_tokens: u64,

@@ -612,6 +612,7 @@ impl<'t> Loop<'t> {
         } else {
             self.backend.forward(&rows, &mut logits)
         };
+        let mut forward_ms = t_fwd.elapsed().as_secs_f64() * 1e3;
         let mut done: Vec<(u64, usize, Result<StepRows, String>)> = Vec::new();
         match ok {
             Ok(()) => {
@@ -639,6 +640,7 @@ impl<'t> Loop<'t> {
             Err(_) => {
                 // Isolate the fault: rerun each sequence alone (G1 makes the results the
                 // same); only the sequences that fail alone end with an error.
+                let t_iso = Instant::now();
                 for &(id, r) in &grants {
                     let rows = self.rows_for(&[(id, r)]);
                     let l = match self.backend.forward(&rows, &mut logits) {
@@ -648,12 +650,14 @@ impl<'t> Loop<'t> {
                     };
                     done.push((id, r, l));
                 }
+                forward_ms += t_iso.elapsed().as_secs_f64() * 1e3;
             }
         }
         self.logits = logits;
         // Step counters first, so they are visible before any event of this step.
         let n_seqs = done.len();
         let m = &mut self.metrics;
+        m.forward_ms_total += forward_ms;
         m.steps += 1;
         m.rows_total += rows_total as u64;
         m.last_step_rows = rows_total;
@@ -704,6 +708,7 @@ impl<'t> Loop<'t> {
         let m = &mut self.metrics;
         m.last_step_ms = ms;
         self.step_ms_total += ms;
+        m.step_ms_total = self.step_ms_total;
         m.mean_step_ms = self.step_ms_total / m.steps as f64;
     }
 

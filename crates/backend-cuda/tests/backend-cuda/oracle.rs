@@ -139,10 +139,17 @@ fn tensor_core_matmul_matches_cpu_and_the_warp_kernels() {
         "the tensor-core matmuls need compute capability 8.0 (this device: {:?})",
         d.compute_capability()
     );
-    // (n, k, m): from the smallest row count that takes the tensor-core kernel (17) up,
-    // ragged and whole tiles (32 rows by 64 columns; Q4_K's wide tiles: 64 rows), one and
-    // many blocks per row.
+    // Down to one row (the default threshold is 17; decode, verify blocks and batched
+    // decode steps may take the tensor cores with fewer).
+    d.set_mma_min_rows(1);
+    // (n, k, m): from one row up (a mostly empty tile) through the default threshold
+    // (17), ragged and whole tiles (32 rows by 64 columns; Q4_K's wide tiles: 64 rows),
+    // one and many blocks per row.
     let shapes = [
+        (65, 2304, 1),
+        (130, 1024, 5),
+        (200, 1536, 2),
+        (64, 256, 16),
         (1, 256, 17),
         (63, 512, 32),
         (64, 256, 33),
@@ -155,6 +162,10 @@ fn tensor_core_matmul_matches_cpu_and_the_warp_kernels() {
     // The 32-element block formats: k any multiple of 32 (stages of eight blocks, the
     // last one short: 896 = 3.5 stages, 576 = 2.25, a single block).
     let shapes32 = [
+        (70, 896, 1),
+        (65, 1536, 2),
+        (130, 1024, 9),
+        (64, 576, 16),
         (1, 32, 17),
         (63, 96, 32),
         (64, 576, 33),
