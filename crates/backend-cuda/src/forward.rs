@@ -64,12 +64,19 @@ pub struct CudaBackend {
     graphs: Vec<(GraphKey, Graph)>,
     /// Shapes seen once (captured the next time they come).
     warm_keys: Vec<GraphKey>,
-    /// Whether the engine gets row summaries ([`CudaBackend::set_summaries`]).
-    summaries: bool,
+    /// Row summaries for the engine ([`CudaBackend::set_summaries`]): always, never, or
+    /// (`None`, the default) for steps of at least [`SUMMARY_MIN_ROWS`] plain greedy rows.
+    summaries: Option<bool>,
     /// Logit rows the last `forward_summaries` left on the device (0 after any other
     /// forward).
     summarized: usize,
 }
+
+/// The fewest plain greedy logit rows of a step for which the engine takes row summaries
+/// unless [`CudaBackend::set_summaries`] says always or never: reading one 151,936-value
+/// row back costs less than summarizing it on the device (2.45 against 2.52 ms per token
+/// on the 1.5B shape, H100), two or more rows' copies more.
+pub const SUMMARY_MIN_ROWS: usize = 2;
 
 /// Which kernels a step runs on. Every choice computes the same bits; the older ones stay
 /// selectable to measure what each newer one buys (`cuda_bench --ab`), from the environment
@@ -171,18 +178,24 @@ impl CudaBackend {
             opts,
             graphs: Vec::new(),
             warm_keys: Vec::new(),
-            summaries: std::env::var("LOCKSTEP_CUDA_SUMMARIES").is_ok_and(|v| v == "1"),
+            summaries: match std::env::var("LOCKSTEP_CUDA_SUMMARIES").as_deref() {
+                Ok("1") => Some(true),
+                Ok("0") => Some(false),
+                _ => None,
+            },
             summarized: 0,
         }
     }
 
     /// Whether the engine chooses from row summaries made on the device
     /// ([`ForwardBackend::forward_summaries`]: plain greedy rows never cross to the host)
-    /// or reads every logit row back (off by default until the summary kernels have run
-    /// their oracle tests on a GPU; `LOCKSTEP_CUDA_SUMMARIES=1` turns them on). The choices
-    /// are the same either way.
+    /// in every step it can (`true`) or reads every logit row back (`false`). Without a
+    /// call (or `LOCKSTEP_CUDA_SUMMARIES=1` / `0`), steps of at least [`SUMMARY_MIN_ROWS`]
+    /// plain greedy rows take summaries and others read their rows back: one row's copy
+    /// costs less than the summary kernels, many rows' copies far more. The choices are
+    /// the same either way.
     pub fn set_summaries(&mut self, on: bool) {
-        self.summaries = on;
+        self.summaries = Some(on);
     }
 
     /// Turns graph capture and replay on or off (on by default, or as
@@ -656,7 +669,15 @@ impl ForwardBackend for CudaBackend {
     }
 
     fn summarizes(&self) -> bool {
-        self.summaries
+        self.summaries != Some(false)
+    }
+
+    fn summary_min_rows(&self) -> usize {
+        if self.summaries == Some(true) {
+            1
+        } else {
+            SUMMARY_MIN_ROWS
+        }
     }
 
     fn forward_summaries(

@@ -662,9 +662,10 @@ fn device_run(
                     pos,
                     wants_logits: true,
                 };
-                // As the engine decodes greedily: row summaries where the backend makes
-                // them (the row stays on the device), else the logits read back.
-                if b.summarizes() {
+                // As the engine decodes one greedy sequence: row summaries where the
+                // backend takes them for one row (it stays on the device), else the
+                // logits read back.
+                if b.summarizes() && b.summary_min_rows() <= 1 {
                     b.forward_summaries(&[row], &mut sums).map_err(be)?;
                 } else {
                     b.forward(&[row], &mut logits).map_err(be)?;

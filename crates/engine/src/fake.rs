@@ -66,6 +66,7 @@ pub struct FakeBackend {
     fail_on_token: Option<u32>,
     /// Serve `forward_summaries`, keeping the last forward's logits in `kept`.
     summarizing: bool,
+    summary_min_rows: usize,
     kept: Vec<f32>,
 }
 
@@ -82,6 +83,7 @@ impl FakeBackend {
             stats: Arc::new(FakeStats::default()),
             fail_on_token: None,
             summarizing: false,
+            summary_min_rows: 1,
             kept: Vec::new(),
         }
     }
@@ -97,6 +99,14 @@ impl FakeBackend {
     /// one when a choice needs them.
     pub fn summarizing(mut self) -> FakeBackend {
         self.summarizing = true;
+        self
+    }
+
+    /// Like [`FakeBackend::summarizing`], for steps of at least `rows` logit rows only
+    /// ([`ForwardBackend::summary_min_rows`], as the CUDA backend's default).
+    pub fn summarizing_from(mut self, rows: usize) -> FakeBackend {
+        self.summarizing = true;
+        self.summary_min_rows = rows;
         self
     }
 
@@ -198,6 +208,10 @@ impl ForwardBackend for FakeBackend {
 
     fn summarizes(&self) -> bool {
         self.summarizing
+    }
+
+    fn summary_min_rows(&self) -> usize {
+        self.summary_min_rows
     }
 
     fn forward_summaries(

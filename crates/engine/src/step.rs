@@ -606,7 +606,7 @@ impl<'t> Loop<'t> {
         let t_fwd = Instant::now();
         let rows = self.rows_for(&grants);
         let mut logits = std::mem::take(&mut self.logits);
-        let on_device = self.backend.summarizes();
+        let on_device = self.summary_step(&grants);
         let ok = if on_device {
             self.backend.forward_summaries(&rows, &mut self.summaries)
         } else {
@@ -628,9 +628,11 @@ impl<'t> Loop<'t> {
                             .then_some(StepRows::Device { first, k })
                             .ok_or_else(short)
                     } else if k > 0 {
-                        let row = logits.get(at * n..(at + k) * n).map(<[f32]>::to_vec);
+                        let first = at;
                         at += k;
-                        row.map(StepRows::Host).ok_or_else(short)
+                        (at * n <= logits.len())
+                            .then_some(StepRows::Batch { first, k })
+                            .ok_or_else(short)
                     } else {
                         Ok(StepRows::Host(Vec::new()))
                     };
@@ -653,7 +655,6 @@ impl<'t> Loop<'t> {
                 forward_ms += t_iso.elapsed().as_secs_f64() * 1e3;
             }
         }
-        self.logits = logits;
         // Step counters first, so they are visible before any event of this step.
         let n_seqs = done.len();
         let m = &mut self.metrics;
@@ -669,13 +670,14 @@ impl<'t> Loop<'t> {
             let Some(at) = self.position_running(id) else {
                 continue;
             };
+            let n = self.limits.n_vocab;
             match l {
                 Err(msg) => {
                     let s = self.running.remove(at);
                     self.end(s, Exit::Failed(msg));
                 }
-                Ok(l) if l.rows(self.limits.n_vocab) > 1 => {
-                    if let Some(exit) = self.verify_at(at, l.as_ref()) {
+                Ok(l) if l.rows(n) > 1 => {
+                    if let Some(exit) = self.verify_at(at, l.resolve(&logits, n)) {
                         let s = self.running.remove(at);
                         self.end(s, exit);
                     }
@@ -686,8 +688,8 @@ impl<'t> Loop<'t> {
                     if let Some(sp) = self.running[at].spec.as_mut() {
                         sp.drafts.clear();
                     }
-                    if l.rows(self.limits.n_vocab) > 0
-                        && let Some(exit) = self.choose_at(at, l.as_ref())
+                    if l.rows(n) > 0
+                        && let Some(exit) = self.choose_at(at, l.resolve(&logits, n))
                     {
                         let s = self.running.remove(at);
                         self.end(s, exit);
@@ -695,6 +697,7 @@ impl<'t> Loop<'t> {
                 }
             }
         }
+        self.logits = logits;
         if decode_only {
             // A replaying backend's simulated time, so the policy's decisions do not
             // depend on the machine running the replay.
@@ -828,6 +831,36 @@ impl<'t> Loop<'t> {
     /// top logprobs, digests or speculation margin asked, a finite row, and the argmax
     /// neither never-sampled nor rejected by the constraint (an allowed unmasked argmax
     /// is the masked argmax too, ties included: it is the lowest id among the maxima).
+    /// Whether this step takes row summaries instead of reading its logit rows back: the
+    /// backend makes them, at least the backend's [`ForwardBackend::summary_min_rows`] of
+    /// the step's logit rows belong to sequences whose choices a summary can decide (plain
+    /// greedy, no logprobs, digests or speculation margin: decode rows and the rows of
+    /// their verify blocks alike; the constraint's `accepts` is checked per token later,
+    /// falling back to the row), and no more rows than those need to be fetched one by one
+    /// afterwards (sampled rows, logprobs, ...).
+    fn summary_step(&self, grants: &[(u64, usize)]) -> bool {
+        if !self.backend.summarizes() {
+            return false;
+        }
+        let (mut plain, mut other) = (0usize, 0usize);
+        for &(id, r) in grants {
+            let k = self.logit_rows(id, r);
+            // Each row of a verify block is chosen as a single row is (`choose_at`).
+            let decidable = self.running.iter().find(|s| s.id == id).is_some_and(|s| {
+                s.params.is_plain_greedy()
+                    && s.logprobs.is_none()
+                    && !s.digests
+                    && s.spec.as_ref().is_none_or(|sp| sp.cfg.margin_bar <= 0.0)
+            });
+            if decidable {
+                plain += k;
+            } else {
+                other += k;
+            }
+        }
+        plain >= self.backend.summary_min_rows().max(1) && other <= plain
+    }
+
     fn greedy_from_summary(&mut self, at: usize, i: usize) -> Option<(u32, f32)> {
         let s = &mut self.running[at];
         let (token, logprob) = self.summaries.get(i)?.greedy()?;
@@ -1017,6 +1050,8 @@ impl<'t> Loop<'t> {
 enum StepRows {
     /// Copied to the host, `n_vocab` values a row.
     Host(Vec<f32>),
+    /// Rows `first..first + k` of the step's batched logits (on the host, not copied).
+    Batch { first: usize, k: usize },
     /// Left in the backend: summaries `first..first + k` of the forward.
     Device { first: usize, k: usize },
 }
@@ -1026,13 +1061,20 @@ impl StepRows {
     fn rows(&self, n_vocab: usize) -> usize {
         match self {
             StepRows::Host(l) => l.len() / n_vocab.max(1),
-            StepRows::Device { k, .. } => *k,
+            StepRows::Batch { k, .. } | StepRows::Device { k, .. } => *k,
         }
     }
 
-    fn as_ref(&self) -> Logits<'_> {
+    /// These rows as [`Logits`]: a batch range becomes its slice of `batch` (the step's
+    /// logits, `n_vocab` values a row; the range was checked against it when made).
+    fn resolve<'a>(&'a self, batch: &'a [f32], n_vocab: usize) -> Logits<'a> {
         match self {
             StepRows::Host(l) => Logits::Host(l),
+            StepRows::Batch { first, k } => Logits::Host(
+                batch
+                    .get(first * n_vocab..(first + k) * n_vocab)
+                    .unwrap_or(&[]),
+            ),
             StepRows::Device { first, .. } => Logits::Device { first: *first },
         }
     }

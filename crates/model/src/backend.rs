@@ -160,6 +160,14 @@ pub trait ForwardBackend: Send {
     fn summarizes(&self) -> bool {
         false
     }
+    /// With [`ForwardBackend::summarizes`]: the fewest logit rows a step must have, every
+    /// one of them decidable from its summary alone (plain greedy, no logprobs, digests or
+    /// verify block), for the engine to take summaries; other steps read every row back
+    /// with [`ForwardBackend::forward`]. 1 by default (summarize whenever possible); a
+    /// backend whose summaries cost more than one row's copy sets more.
+    fn summary_min_rows(&self) -> usize {
+        1
+    }
     /// One batched forward like [`ForwardBackend::forward`], but the logit rows stay in
     /// the backend: `summaries` is cleared, then gets one [`sampling::RowSummary`] per row
     /// with `wants_logits`, in row order, each equal bit for bit to
