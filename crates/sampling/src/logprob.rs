@@ -364,7 +364,9 @@ mod tests {
             (seed >> 33) as u32
         };
         let mut rows = Vec::new();
-        for len in [0usize, 1, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 63, 100, 1000, 4099] {
+        for len in [
+            0usize, 1, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 63, 100, 1000, 4099,
+        ] {
             for case in 0..8 {
                 let row: Vec<f32> = (0..len)
                     .map(|_| {
