@@ -954,6 +954,42 @@ fn stream_ahead(stream: Stream, base: *const u8, h: usize, b: usize, part: usize
     }
 }
 
+/// Fetches the output lines that the pass after the one at rows `m..m + R` of tile `t` will
+/// write (the next R rows of the same tile, or the first R rows of the next tile), a whole
+/// pass before their stores. A prefill's outputs (M × N f32, 18 MB for 512 rows of an FFN
+/// up projection) are far larger than the caches, so every 64-byte line a pass writes used
+/// to miss; the stores waited for their lines while the kernel ran, which cost 12–15 % of a
+/// 512-row Q4_K matmul with N = 8960 on both paths (2026-12-07, `examples/prefill.rs`).
+#[inline(always)]
+fn prefetch_out<const R: usize>(
+    c: &Call<'_>,
+    tiles: &Range<usize>,
+    ms: &Range<usize>,
+    t: usize,
+    m: usize,
+) {
+    let (nt, nm) = if m + 2 * R <= ms.end {
+        (t, m + R)
+    } else {
+        (t + 1, ms.start)
+    };
+    if nt >= tiles.end {
+        return;
+    }
+    // Columns of tile `nt` inside the output (the ends of a partial first or last tile).
+    let c0 = (nt * TILE).max(c.n_range.start) - c.n_range.start;
+    let c1 = ((nt + 1) * TILE).min(c.n_range.end) - c.n_range.start;
+    for i in 0..R {
+        let row = (nm + i) * c.ldo;
+        // SAFETY: a prefetch is only a hint; it never faults, whatever the address (the
+        // pointers are formed with wrapping arithmetic and never dereferenced).
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(c.out.wrapping_add(row + c0) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(c.out.wrapping_add(row + c1 - 1) as *const i8);
+        }
+    }
+}
+
 /// Tiles `tiles` × activation rows `ms` (a multiple of R rows), R rows per pass.
 #[inline(always)]
 unsafe fn run<P: Pk, const R: usize, const FMT: u8>(
@@ -996,6 +1032,7 @@ unsafe fn run<P: Pk, const R: usize, const FMT: u8>(
             // Only the first pass over a tile streams the weights ahead: the later passes
             // read the tile from cache, and prefetching its successors again is wasted work.
             let stream = if m == ms.start { stream } else { stream.off() };
+            prefetch_out::<R>(c, &tiles, &ms, t, m);
             let mut res = [[0.0f32; TILE]; R];
             for h in 0..TILE / P::L {
                 if lanes.end <= h * P::L || lanes.start >= (h + 1) * P::L {
