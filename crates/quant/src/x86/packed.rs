@@ -791,6 +791,110 @@ unsafe fn k45<P: Pk, const R: usize, const QH: bool>(
     }
 }
 
+/// Q4_K over both 8-row halves of a tile at once (AVX2: `P::L == 8`, `P::I16`). Per output
+/// the same integer block sums and the same fmas as `k45`; each activation broadcast feeds
+/// both halves, so a 32-code group of R = 4 rows issues ~104 instructions per 1,024 products
+/// instead of ~140 (two passes of `k45`, each broadcasting every activation again). The
+/// AVX2 Q4_K kernel is bound by instructions issued, not by its multiplies: 512-row
+/// matmuls at the qwen2.5-coder-1.5b shapes ran 5–9 % faster (2026-12-07, Zen 4 with AVX2
+/// forced, `examples/prefill.rs`).
+#[inline(always)]
+unsafe fn k4_pair<P: Pk, const R: usize>(
+    base: *const u8,
+    lay: &Layout,
+    stream: Stream,
+    a: &Rows<R>,
+    res: &mut [[f32; TILE]; R],
+) {
+    let l = P::L;
+    debug_assert!(P::I16 && TILE == 2 * l);
+    // All 8 `pmaddubsw` results of a group (4 chunks × low and high nibbles) summed in i16:
+    // at most 16 products of 4-bit codes per lane (`i16_sums(4) >= 8` pairs).
+    // SAFETY: as in `legacy`: reads stay inside the tile's regions (both halves) and the
+    // activation rows.
+    unsafe {
+        let codes = base.add(lay.codes);
+        let scp = base.add(lay.sc);
+        let mnp = base.add(lay.mn);
+        let dp = base.add(lay.d);
+        let mp = base.add(lay.m);
+        let mut acc = [[P::fzero(); 2]; R];
+        let chunks = std::hint::black_box(4usize);
+        for b in 0..lay.nb {
+            let mut isum = [[P::splat_i(0); 2]; R];
+            for g in 0..8 {
+                stream_ahead(stream, base, 0, b, g, 8);
+                let cb = codes.add(2048 * b + 256 * g);
+                let mut p = [[P::splat_i(0); 2]; R];
+                // Low nibbles of both halves against every row, then the high ones: 8
+                // accumulators, 2 code vectors and one broadcast stay in registers. The
+                // chunk loop is kept rolled (an opaque trip count): unrolled, the compiler
+                // hoists loads of later chunks and spills the accumulators.
+                macro_rules! step {
+                    ($t:expr, $first:expr) => {
+                        for nib in 0..2 {
+                            let w = [cb.add(64 * $t), cb.add(64 * $t + 4 * l)].map(|q| {
+                                let v = P::load(q);
+                                if nib == 0 { P::lo4(v) } else { P::hi4(v) }
+                            });
+                            for i in 0..R {
+                                let av = rd32(a.qs[i].add(256 * b + 32 * g + 4 * $t + 16 * nib));
+                                for hh in 0..2 {
+                                    let x = P::mul16(w[hh], av);
+                                    p[i][hh] = if $first && nib == 0 {
+                                        x
+                                    } else {
+                                        P::add16(p[i][hh], x)
+                                    };
+                                }
+                            }
+                        }
+                    };
+                }
+                step!(0, true);
+                for t in 1..chunks {
+                    step!(t, false);
+                }
+                for hh in 0..2 {
+                    let sc = P::u8s(scp.add(128 * b + 16 * g + hh * l));
+                    let sc16 = P::pair16(sc, sc);
+                    for i in 0..R {
+                        // The 2·R block sums live in memory (volatile: one load-add and
+                        // one store per group); kept in registers, they crowd out the
+                        // accumulators above and the compiler spills those instead, in
+                        // the inner loop (measured: as slow as two `k45` passes).
+                        let v = std::ptr::read_volatile(&isum[i][hh]);
+                        std::ptr::write_volatile(&mut isum[i][hh], P::widen(v, p[i][hh], sc16));
+                    }
+                }
+            }
+            for hh in 0..2 {
+                let mut msum = [P::splat_i(0); R];
+                for p in 0..4 {
+                    let mn = P::u8_pairs(mnp.add(128 * b + 32 * p + 2 * l * hh));
+                    for i in 0..R {
+                        let pair = rd32(a.s32[i].add(8 * b + 2 * p) as *const u8);
+                        msum[i] = P::dotw(msum[i], mn, pair);
+                    }
+                }
+                let dw = P::f16(dp.add(32 * b + 2 * l * hh));
+                let dmin = P::f16(mp.add(32 * b + 2 * l * hh));
+                for i in 0..R {
+                    let da = P::splat(*a.d[i].add(b));
+                    let f = &mut acc[i][hh];
+                    *f = P::fma(P::mul(dw, da), P::cvt(isum[i][hh]), *f);
+                    *f = P::fma(P::neg(P::mul(dmin, da)), P::cvt(msum[i]), *f);
+                }
+            }
+        }
+        for i in 0..R {
+            for hh in 0..2 {
+                P::store(acc[i][hh], res[i].as_mut_ptr().add(hh * l));
+            }
+        }
+    }
+}
+
 /// Q6_K over the rows of half `h` of a tile.
 #[inline(always)]
 unsafe fn q6k<P: Pk, const R: usize>(
@@ -954,6 +1058,42 @@ fn stream_ahead(stream: Stream, base: *const u8, h: usize, b: usize, part: usize
     }
 }
 
+/// Fetches the output lines that the pass after the one at rows `m..m + R` of tile `t` will
+/// write (the next R rows of the same tile, or the first R rows of the next tile), a whole
+/// pass before their stores. A prefill's outputs (M × N f32, 18 MB for 512 rows of an FFN
+/// up projection) are far larger than the caches, so every 64-byte line a pass writes used
+/// to miss; the stores waited for their lines while the kernel ran, which cost 12–15 % of a
+/// 512-row Q4_K matmul with N = 8960 on both paths (2026-12-07, `examples/prefill.rs`).
+#[inline(always)]
+fn prefetch_out<const R: usize>(
+    c: &Call<'_>,
+    tiles: &Range<usize>,
+    ms: &Range<usize>,
+    t: usize,
+    m: usize,
+) {
+    let (nt, nm) = if m + 2 * R <= ms.end {
+        (t, m + R)
+    } else {
+        (t + 1, ms.start)
+    };
+    if nt >= tiles.end {
+        return;
+    }
+    // Columns of tile `nt` inside the output (the ends of a partial first or last tile).
+    let c0 = (nt * TILE).max(c.n_range.start) - c.n_range.start;
+    let c1 = ((nt + 1) * TILE).min(c.n_range.end) - c.n_range.start;
+    for i in 0..R {
+        let row = (nm + i) * c.ldo;
+        // SAFETY: a prefetch is only a hint; it never faults, whatever the address (the
+        // pointers are formed with wrapping arithmetic and never dereferenced).
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(c.out.wrapping_add(row + c0) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(c.out.wrapping_add(row + c1 - 1) as *const i8);
+        }
+    }
+}
+
 /// Tiles `tiles` × activation rows `ms` (a multiple of R rows), R rows per pass.
 #[inline(always)]
 unsafe fn run<P: Pk, const R: usize, const FMT: u8>(
@@ -996,21 +1136,29 @@ unsafe fn run<P: Pk, const R: usize, const FMT: u8>(
             // Only the first pass over a tile streams the weights ahead: the later passes
             // read the tile from cache, and prefetching its successors again is wasted work.
             let stream = if m == ms.start { stream } else { stream.off() };
+            prefetch_out::<R>(c, &tiles, &ms, t, m);
             let mut res = [[0.0f32; TILE]; R];
-            for h in 0..TILE / P::L {
-                if lanes.end <= h * P::L || lanes.start >= (h + 1) * P::L {
-                    continue;
-                }
-                // SAFETY: the tile holds `lay.nb` blocks of every region; the rows hold k
-                // codes and their sums and scales; the kernel matches the layout's format.
-                unsafe {
-                    match FMT {
-                        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 => {
-                            legacy::<P, R, FMT>(base, &lay, stream, h, &rows, &mut res)
+            if FMT == Q4K && P::I16 {
+                // AVX2 Q4_K: both halves in one sweep (`k4_pair`).
+                // SAFETY: the tile holds `lay.nb` blocks of every region for all 16 rows (the
+                // last tile is padded); the rows hold k codes and their sums and scales.
+                unsafe { k4_pair::<P, R>(base, &lay, stream, &rows, &mut res) };
+            } else {
+                for h in 0..TILE / P::L {
+                    if lanes.end <= h * P::L || lanes.start >= (h + 1) * P::L {
+                        continue;
+                    }
+                    // SAFETY: the tile holds `lay.nb` blocks of every region; the rows hold k
+                    // codes and their sums and scales; the kernel matches the layout's format.
+                    unsafe {
+                        match FMT {
+                            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 => {
+                                legacy::<P, R, FMT>(base, &lay, stream, h, &rows, &mut res)
+                            }
+                            Q4K => k45::<P, R, false>(base, &lay, stream, h, &rows, &mut res),
+                            Q5K => k45::<P, R, true>(base, &lay, stream, h, &rows, &mut res),
+                            _ => q6k::<P, R>(base, &lay, stream, h, &rows, &mut res),
                         }
-                        Q4K => k45::<P, R, false>(base, &lay, stream, h, &rows, &mut res),
-                        Q5K => k45::<P, R, true>(base, &lay, stream, h, &rows, &mut res),
-                        _ => q6k::<P, R>(base, &lay, stream, h, &rows, &mut res),
                     }
                 }
             }
