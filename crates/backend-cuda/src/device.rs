@@ -322,7 +322,12 @@ pub fn device_count() -> usize {
 
 /// The fewest rows a matmul takes the tensor-core kernels for unless
 /// `LOCKSTEP_CUDA_MMA_MIN_ROWS` or [`Device::set_mma_min_rows`] says otherwise.
-pub const MMA_MIN_ROWS_DEFAULT: usize = 17;
+///
+/// 14: measured on an H100 (1.5B shape, verify blocks at context 512, `cuda_bench
+/// --verify-only`), a 14- to 16-row step is 2–8 % faster on the tensor cores than on the
+/// warp kernels, a 13-row step about as fast, and fewer rows much slower (their 32-row
+/// tiles leave most of the grid idle: 14 ms at every M from 2 against 4.9 ms at M = 2).
+pub const MMA_MIN_ROWS_DEFAULT: usize = 14;
 
 /// The tensor-core prefill matmuls' default: on unless `LOCKSTEP_CUDA_MMA=0`.
 fn mma_default() -> bool {
@@ -519,7 +524,7 @@ impl Device {
     }
 
     /// Turns the tensor-core prefill matmuls (`mmq_*`: Q4_K, Q6_K and the 32-element block
-    /// formats over [`Device::mma_min_rows`] or more rows, 17 by default) on or off. They compute the same bits as the other matmul kernels (the
+    /// formats over [`Device::mma_min_rows`] or more rows, [`MMA_MIN_ROWS_DEFAULT`] by default) on or off. They compute the same bits as the other matmul kernels (the
     /// same exact integer block sums, the same float steps in block order), so this only
     /// changes speed; on by default (`LOCKSTEP_CUDA_MMA=0` turns them off), and never on
     /// below compute capability 8.0 (no int8 `mma` instruction there).

@@ -33,10 +33,11 @@ mod ops;
 
 #[cfg(feature = "cuda")]
 pub use device::{
-    Buf, Device, KERNEL_SOURCE, compile_ptx, device_count, driver_present, nvrtc_present,
+    Buf, Device, KERNEL_SOURCE, MMA_MIN_ROWS_DEFAULT, compile_ptx, device_count, driver_present,
+    nvrtc_present,
 };
 #[cfg(feature = "cuda")]
-pub use forward::{CudaBackend, CudaModel, StepOptions, load_backend};
+pub use forward::{CudaBackend, CudaModel, SUMMARY_MIN_ROWS, StepOptions, load_backend};
 #[cfg(feature = "cuda")]
 pub use ops::{ArgmaxParts, DevActs, DevMatrix, MvStyle};
 

@@ -537,7 +537,7 @@ fn an_empty_batch_on_a_new_backend_answers_as_the_cpu_does() {
 
 #[test]
 fn prefill_with_tensor_cores_matches_cpu_model_bit_for_bit() {
-    // Chunks of 17 rows and more take the tensor-core matmuls (Q4_K, Q6_K and the 32-element
+    // Chunks of 14 rows and more take the tensor-core matmuls (Q4_K, Q6_K and the 32-element
     // block formats):
     // q/k/v with bias (qwen2), the output projection and down projection accumulating into
     // the residual, the gate/up pair with SwiGLU, and the Q6_K output head.
