@@ -353,16 +353,20 @@ mod tests {
         lanes
     }
 
-    /// Rows with ties, signed zeros, infinities, NaNs and values around the `exp` cut-off,
-    /// of lengths around every width the fast paths use.
-    fn awkward_rows() -> Vec<Vec<f32>> {
-        let mut seed = 0x5eed_u64;
-        let mut next = move || {
+    /// A 64-bit LCG's high bits: reproducible test values.
+    fn lcg(mut seed: u64) -> impl FnMut() -> u32 {
+        move || {
             seed = seed
                 .wrapping_mul(6_364_136_223_846_793_005)
                 .wrapping_add(1_442_695_040_888_963_407);
             (seed >> 33) as u32
-        };
+        }
+    }
+
+    /// Rows with ties, signed zeros, infinities, NaNs and values around the `exp` cut-off,
+    /// of lengths around every width the fast paths use.
+    fn awkward_rows() -> Vec<Vec<f32>> {
+        let mut next = lcg(0x5eed);
         let mut rows = Vec::new();
         for len in [
             0usize, 1, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 63, 100, 1000, 4099,
@@ -434,13 +438,7 @@ mod tests {
         assert!(!SamplingParams::default().is_plain_greedy());
         let ctx = ChoiceContext::default();
         let mut sampler = Sampler::new();
-        let mut seed = 7u64;
-        let mut next = move || {
-            seed = seed
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            (seed >> 33) as u32
-        };
+        let mut next = lcg(7);
         for len in [1usize, 7, 8, 9, 63, 64, 65, 1000, 4099] {
             for case in 0..6 {
                 // Coarse values make ties; some -inf; case 5 is all -inf but one.
