@@ -68,6 +68,16 @@ struct Seq<'t> {
 }
 
 impl Seq<'_> {
+    /// Whether a row summary alone can make this sequence's choices (the full row is
+    /// needed only when its argmax is not finite, never-sampled or refused by the
+    /// constraint): plain greedy, no logprobs, digests or speculation margin asked.
+    fn summary_decides(&self) -> bool {
+        self.params.is_plain_greedy()
+            && self.logprobs.is_none()
+            && !self.digests
+            && self.spec.as_ref().is_none_or(|sp| sp.cfg.margin_bar <= 0.0)
+    }
+
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
@@ -826,11 +836,6 @@ impl<'t> Loop<'t> {
         exit
     }
 
-    /// The plain greedy choice of sequence `at` from summary `i` alone, when it is exactly
-    /// what the full row would give: temperature 0 without penalties or bias, no
-    /// top logprobs, digests or speculation margin asked, a finite row, and the argmax
-    /// neither never-sampled nor rejected by the constraint (an allowed unmasked argmax
-    /// is the masked argmax too, ties included: it is the lowest id among the maxima).
     /// Whether this step takes row summaries instead of reading its logit rows back: the
     /// backend makes them, at least the backend's [`ForwardBackend::summary_min_rows`] of
     /// the step's logit rows belong to sequences whose choices a summary can decide (plain
@@ -846,12 +851,11 @@ impl<'t> Loop<'t> {
         for &(id, r) in grants {
             let k = self.logit_rows(id, r);
             // Each row of a verify block is chosen as a single row is (`choose_at`).
-            let decidable = self.running.iter().find(|s| s.id == id).is_some_and(|s| {
-                s.params.is_plain_greedy()
-                    && s.logprobs.is_none()
-                    && !s.digests
-                    && s.spec.as_ref().is_none_or(|sp| sp.cfg.margin_bar <= 0.0)
-            });
+            let decidable = self
+                .running
+                .iter()
+                .find(|s| s.id == id)
+                .is_some_and(Seq::summary_decides);
             if decidable {
                 plain += k;
             } else {
@@ -861,15 +865,16 @@ impl<'t> Loop<'t> {
         plain >= self.backend.summary_min_rows().max(1) && other <= plain
     }
 
+    /// The plain greedy choice of sequence `at` from summary `i` alone, when it is exactly
+    /// what the full row would give: temperature 0 without penalties or bias, no
+    /// top logprobs, digests or speculation margin asked, a finite row, and the argmax
+    /// neither never-sampled nor rejected by the constraint (an allowed unmasked argmax
+    /// is the masked argmax too, ties included: it is the lowest id among the maxima).
     fn greedy_from_summary(&mut self, at: usize, i: usize) -> Option<(u32, f32)> {
         let s = &mut self.running[at];
         let (token, logprob) = self.summaries.get(i)?.greedy()?;
-        let plain = s.params.is_plain_greedy()
-            && s.logprobs.is_none()
-            && !s.digests
-            && s.spec.as_ref().is_none_or(|sp| sp.cfg.margin_bar <= 0.0)
-            && (token as usize) < self.limits.n_vocab
-            && !self.never.get(token);
+        let plain =
+            s.summary_decides() && (token as usize) < self.limits.n_vocab && !self.never.get(token);
         (plain && s.constraint.as_mut().is_none_or(|c| c.accepts(token)))
             .then_some((token, logprob))
     }
