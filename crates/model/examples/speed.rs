@@ -25,13 +25,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut seq = b.model.new_sequence(&b.kv);
         let rows = b.rows(0, 512, true);
         let t = Instant::now();
-        b.model.forward(
-            &mut b.scratch,
-            &mut b.kv,
-            &mut [&mut seq],
-            &rows,
-            &mut b.logits,
-        )?;
+        b.forward(&mut seq, &rows)?;
         let pp = 512.0 / t.elapsed().as_secs_f64();
         b.kv.release_sequence(seq);
 
@@ -39,13 +33,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let t = Instant::now();
         for pos in 0..128 {
             let row = b.rows(pos, pos + 1, false);
-            b.model.forward(
-                &mut b.scratch,
-                &mut b.kv,
-                &mut [&mut seq],
-                &row,
-                &mut b.logits,
-            )?;
+            b.forward(&mut seq, &row)?;
         }
         let tg = 128.0 / t.elapsed().as_secs_f64();
         b.kv.release_sequence(seq);

@@ -19,13 +19,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prompt = 256;
     let mut seq = b.model.new_sequence(&b.kv);
     let rows = b.rows(0, prompt, true);
-    b.model.forward(
-        &mut b.scratch,
-        &mut b.kv,
-        &mut [&mut seq],
-        &rows,
-        &mut b.logits,
-    )?;
+    b.forward(&mut seq, &rows)?;
     println!(
         "{name}: {} threads, {reps} reps (median)",
         b.model.n_threads()
@@ -38,13 +32,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for (m, slot) in times.iter_mut().enumerate().skip(1) {
             let rows = b.rows(prompt, prompt + m, false);
             let t = Instant::now();
-            b.model.forward(
-                &mut b.scratch,
-                &mut b.kv,
-                &mut [&mut seq],
-                &rows,
-                &mut b.logits,
-            )?;
+            b.forward(&mut seq, &rows)?;
             slot.push(t.elapsed().as_secs_f64() * 1e3);
             b.kv.truncate(&mut seq, prompt);
         }

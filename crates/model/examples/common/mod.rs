@@ -5,7 +5,7 @@
 // Each example uses the part it needs.
 #![allow(dead_code)]
 
-use lockstep_model::{BatchRow, ForwardScratch, KvCache, LoadOptions, Model};
+use lockstep_model::{BatchRow, ForwardScratch, KvCache, LoadOptions, Model, SeqKv};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -59,6 +59,22 @@ impl Bench {
             .collect()
     }
 
+    /// One forward of `rows` for `seq` (sequence 0 of the batch), logits into `self.logits`.
+    pub fn forward(
+        &mut self,
+        seq: &mut SeqKv,
+        rows: &[BatchRow],
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        self.model.forward(
+            &mut self.scratch,
+            &mut self.kv,
+            &mut [seq],
+            rows,
+            &mut self.logits,
+        )?;
+        Ok(())
+    }
+
     /// One measurement on a fresh sequence, tokens/s: one 256-row prefill (`prefill`), else
     /// 48 single-row decode forwards.
     pub fn measure(&mut self, prefill: bool) -> Result<f64, Box<dyn std::error::Error>> {
@@ -66,16 +82,12 @@ impl Bench {
         let t = Instant::now();
         let n = if prefill {
             let rows = self.rows(0, 256, true);
-            let r = &mut [&mut seq];
-            self.model
-                .forward(&mut self.scratch, &mut self.kv, r, &rows, &mut self.logits)?;
+            self.forward(&mut seq, &rows)?;
             256
         } else {
             for pos in 0..48 {
                 let row = self.rows(pos, pos + 1, false);
-                let r = &mut [&mut seq];
-                self.model
-                    .forward(&mut self.scratch, &mut self.kv, r, &row, &mut self.logits)?;
+                self.forward(&mut seq, &row)?;
             }
             48
         };
