@@ -25,8 +25,10 @@
 //! pp512, pp2048 and tg128 (the default kernels only, the choice on the device) and stops,
 //! for side-by-side rounds against llama-bench. `--verify-only` prints the verify-cost curve
 //! with the default tensor-core threshold and with tensor cores from two rows (the same
-//! bits, checked) the time of one decode step at contexts 64 to 4000, and tg128 with the tensor cores from one
-//! row on the general kernels, and stops.
+//! bits, checked) the time of one decode step at contexts 64 to 4000 and the verify curve
+//! with the attention's scores split out over the device and without (the same tokens and
+//! logits, checked), and tg128 with the tensor cores from one row on the general kernels,
+//! and stops.
 
 use engine::{ForwardBackend, ForwardRow, KvSlot, ModelBackend};
 use gguf::GgufFile;
@@ -216,14 +218,16 @@ fn verify_curve(
 }
 
 /// The median time of one decode step (the choice on the device) at each context in
-/// `ctxs` (a prefill of that many tokens of `long` first, then 9 steps, the first untimed).
+/// `ctxs` (a prefill of that many tokens of `long` first, then 9 steps, the first untimed),
+/// and the tokens chosen.
 fn decode_by_context(
     b: &mut lockstep_backend_cuda::CudaBackend,
     long: &[u32],
     ctxs: &[usize],
-) -> Vec<(usize, f64)> {
+) -> (Vec<(usize, f64)>, Vec<u32>) {
     let mut logits = Vec::new();
     let mut out = Vec::new();
+    let mut chosen = Vec::new();
     for &ctx in ctxs {
         let s = b.kv_new();
         b.kv_prepare(s, 0, ctx).expect("prepare");
@@ -242,11 +246,12 @@ fn decode_by_context(
             if p > ctx {
                 ts.push(t.elapsed().as_secs_f64());
             }
+            chosen.push(tok);
         }
         b.kv_release(s);
         out.push((ctx, median(ts)));
     }
-    out
+    (out, chosen)
 }
 
 /// `--verify-only`: the verify-cost curve with the default tensor-core threshold and with
@@ -280,10 +285,47 @@ fn verify_only(b: &mut lockstep_backend_cuda::CudaBackend, long: &[u32]) {
             .eq(runs[0].2.iter().map(|v| v.to_bits()))
     });
     println!("16-row verify logits the same under every threshold: {same}");
+    // Attention with the scores split out over the device (the default) and without:
+    // decode by context and the verify curve, the same tokens and logits checked.
     let ctxs = [64usize, 512, 1024, 2048, 4000];
-    for (ctx, t) in decode_by_context(b, long, &ctxs) {
-        println!("decode step at context {ctx:5}: {:.3} ms", t * 1e3);
+    let opts0 = b.step_options();
+    let mut split_runs = Vec::new();
+    for split in [true, false] {
+        let mut o = opts0;
+        o.attn_split = split;
+        b.set_step_options(o);
+        let (dec, toks) = decode_by_context(b, long, &ctxs);
+        let (s, curve, block) = verify_curve(b, &long[..512], &draft);
+        b.kv_release(s);
+        split_runs.push((dec, toks, curve, block));
     }
+    b.set_step_options(opts0);
+    for (i, &ctx) in ctxs.iter().enumerate() {
+        let (a, c) = (split_runs[0].0[i].1, split_runs[1].0[i].1);
+        println!(
+            "decode step at context {ctx:5}: {:.3} ms split scores, {:.3} ms scores per head ({:.2}x)",
+            a * 1e3,
+            c * 1e3,
+            c / a
+        );
+    }
+    for m in [1usize, 2, 4, 8, 16] {
+        let (a, c) = (split_runs[0].2[m - 1].1, split_runs[1].2[m - 1].1);
+        println!(
+            "verify M={m:2} at context 512: {:.3} ms split scores, {:.3} ms scores per head",
+            a * 1e3,
+            c * 1e3
+        );
+    }
+    let same_tokens = split_runs[0].1 == split_runs[1].1;
+    let same_block = split_runs[0]
+        .3
+        .iter()
+        .map(|v| v.to_bits())
+        .eq(split_runs[1].3.iter().map(|v| v.to_bits()));
+    println!(
+        "split scores vs per head: the same decode tokens: {same_tokens}, the same 16-row verify logits: {same_block}"
+    );
     // One-row steps on the general kernels with the tensor cores from one row, against
     // the default choice (matvec kernels where the model has them).
     let opts = b.step_options();

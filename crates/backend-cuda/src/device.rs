@@ -166,6 +166,8 @@ const KERNELS: &[&str] = &[
     "copy_u16",
     "attention",
     "attention_tiled",
+    "attention_tiled_pre",
+    "att_scores",
     "argmax_part",
     "argmax_rows",
     "matvec_q4_0",
@@ -200,6 +202,8 @@ const KERNELS: &[&str] = &[
 /// limit is raised for them at load).
 const LARGE_SMEM: &[&str] = &[
     "attention_tiled",
+    "attention_tiled_pre",
+    "att_scores",
     "mmqw_q4_k",
     "mmqw_q6_k",
     "mmqw_q4_0",
@@ -238,6 +242,8 @@ const LARGE_SMEM: &[&str] = &[
 /// programmatic dependent launch.
 const PDL: &[&str] = &[
     "attention_tiled",
+    "attention_tiled_pre",
+    "att_scores",
     "rope_kv",
     "argmax_part",
     "argmax_rows",

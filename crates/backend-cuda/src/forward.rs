@@ -15,8 +15,9 @@ use crate::device::{Arg, Buf, Device};
 use crate::ops::{MvStyle, SUMMARY_STRIDE, i32_of, summary_of};
 use backend_cpu::{BlockAllocator, DEFAULT_BLOCK_SIZE};
 use enqueue::{
-    GRAPH_CACHE, GRAPH_MAX_ROWS, Graph, GraphKey, Scratch, Tail, attention_row_tiles, capture,
-    enqueue, next_generation,
+    GRAPH_CACHE, GRAPH_MAX_ROWS, Graph, GraphKey, SPLIT_SCORES_MAX, Scratch, Tail,
+    attention_row_tiles, attention_rows_kernel, capture, enqueue, next_generation,
+    split_attention_fits,
 };
 use gguf::GgufFile;
 use model::{BackendError, Batch, ForwardBackend, ForwardRow, KvSlot};
@@ -97,6 +98,11 @@ pub struct StepOptions {
     /// Steps of many rows (prefill chunks) through the many-row attention kernel (a CTA per
     /// tile of rows and KV head) instead of a CTA per row and query head.
     pub attn_rows: bool,
+    /// With `attn_tiled`: the scores first, spread over the device (a CTA per key tile,
+    /// row and KV head, the query heads of a KV head sharing each K tile), then the tiled
+    /// kernel's other phases on V tiles alone; otherwise each (row, query head) CTA computes
+    /// its own scores. The same bits either way.
+    pub attn_split: bool,
 }
 
 impl Default for StepOptions {
@@ -129,12 +135,14 @@ impl StepOptions {
             head_style,
             attn_tiled: true,
             attn_rows: true,
+            attn_split: true,
         }
     }
 
     /// The choice for `model`: matvec mode 3 when its layers hold at least
     /// `MATVEC_MIN_LAYER_BYTES` of weights each, else mode 0 (the general kernels), as
-    /// `LOCKSTEP_CUDA_MATVEC` and `LOCKSTEP_CUDA_ATT_TILED=0` change it.
+    /// `LOCKSTEP_CUDA_MATVEC`, `LOCKSTEP_CUDA_ATT_TILED=0`, `LOCKSTEP_CUDA_ATT_ROWS=0` and
+    /// `LOCKSTEP_CUDA_ATT_SPLIT=0` change it.
     pub fn for_model(model: &CudaModel) -> StepOptions {
         let layers = model.cfg.n_layer.max(1);
         let per_layer = model.weight_bytes.saturating_sub(model.output.n_bytes()) / layers;
@@ -150,6 +158,7 @@ impl StepOptions {
         let mut o = StepOptions::matvec_mode(mode);
         o.attn_tiled = std::env::var("LOCKSTEP_CUDA_ATT_TILED").map_or(true, |v| v != "0");
         o.attn_rows = std::env::var("LOCKSTEP_CUDA_ATT_ROWS").map_or(true, |v| v != "0");
+        o.attn_split = std::env::var("LOCKSTEP_CUDA_ATT_SPLIT").map_or(true, |v| v != "0");
         o
     }
 }
@@ -382,7 +391,7 @@ impl CudaBackend {
             .as_mut()
             .ok_or_else(|| BackendError::Internal("scratch".into()))?;
         let cap_rows = s.rows;
-        let tables_at = 4 * cap_rows + 1;
+        let tables_at = 5 * cap_rows + 1;
         if s.meta.len() < tables_at + tables.len() {
             s.meta = dev
                 .zeros(tables_at + tables.len().next_power_of_two())
@@ -391,6 +400,28 @@ impl CudaBackend {
         }
         let tiles = attention_row_tiles(&toff);
         s.att_tiles = tiles.len() - 1;
+        // The split attention's score rows (n_head × (pos + 1) per row), when this step
+        // takes it; a change of choice or a larger buffer is a new generation (graphs).
+        let mut soff = Vec::with_capacity(m);
+        let mut total = 0usize;
+        for &p in &pos {
+            // Only used when total stays within SPLIT_SCORES_MAX (an i32).
+            soff.push(i32::try_from(total).unwrap_or(i32::MAX));
+            total = total.saturating_add(cfg.n_head * (p as usize + 1));
+        }
+        let split = opts.attn_split
+            && opts.attn_tiled
+            && !(opts.attn_rows && attention_rows_kernel(&cfg, bsz, m, s.att_tiles).is_some())
+            && split_attention_fits(&cfg, dev.smem_limit())
+            && total <= SPLIT_SCORES_MAX;
+        if split && s.scores.len() < total {
+            s.scores = dev.zeros(total.next_power_of_two()).map_err(be)?;
+            s.generation = next_generation();
+        }
+        if split != s.att_split {
+            s.att_split = split;
+            s.generation = next_generation();
+        }
         let mut meta = vec![0i32; tables_at + tables.len()];
         meta[..m].copy_from_slice(&pos);
         meta[cap_rows..cap_rows + m].copy_from_slice(&phys);
@@ -398,6 +429,7 @@ impl CudaBackend {
         for (i, &t) in tiles.iter().enumerate() {
             meta[3 * cap_rows + i] = i32_of("row tile", t).map_err(be)?;
         }
+        meta[4 * cap_rows + 1..4 * cap_rows + 1 + m].copy_from_slice(&soff);
         meta[tables_at..].copy_from_slice(&tables);
         dev.write(&meta, &mut s.meta).map_err(be)?;
         // Embedding rows, dequantized on the host from the mapped file.

@@ -2528,13 +2528,20 @@ extern "C" __global__ void attention(const float* q, const u16* kc, const u16* v
 // accumulator in thread i < head_dim). The tile size only decides what is staged at once:
 // the chunk sequence, and so every operation, is that of the CPU's attend_one.
 // Dynamic shared memory: two buffers of (K, V) tiles, 4 * tk * head_dim u16 values.
+//
+// With PRE (attention_tiled_pre, after att_scores below) the scores come from the scratch
+// rows att_scores wrote (scores + soff[r] + h * (pos[r] + 1)) instead of being computed
+// here: only V tiles are staged (two buffers, 2 * tk * head_dim u16 values), the tile's
+// scores copied beside them; every later phase is the same code, so the same bits.
 #define ATT_MAX_TK 256
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_tiled(
+template <bool PRE>
+__device__ __forceinline__ void attention_tiled_impl(
     const float* q, const u16* kc, const u16* vc, float* out, const int* pos, const int* table_off,
-    const int* tables, int n_head, int n_kv, int head_dim, int bsz, float scale, int tk) {
+    const int* tables, int n_head, int n_kv, int head_dim, int bsz, float scale, int tk,
+    const float* scores, const int* soff) {
     extern __shared__ __align__(16) u16 s_kv[];
     __shared__ float s_q[MAX_HEAD_DIM];
-    __shared__ float s_e[ATT_MAX_TK];
+    __shared__ float s_e2[PRE ? 2 * ATT_MAX_TK : ATT_MAX_TK];
     __shared__ float s_m[ATT_MAX_TK / 16 + 1];
     __shared__ float s_alpha[ATT_MAX_TK / 16 + 1];
     __shared__ float s_l;
@@ -2546,15 +2553,19 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_tiled(
     int warp = t >> 5, wl = t & 31;
     int p = pos[r];
     const int* tab = tables + table_off[r];
+    const float* srow = PRE ? scores + soff[r] + (size_t)h * (p + 1) : nullptr;
     int n16_row = head_dim / 8;  // 16-byte pieces per K or V row
     size_t tile_elems = (size_t)tk * head_dim;
-    // Queues tile ts's K and V rows into buffer slot, then closes a copy group (an empty
-    // one past the last tile).
+    // Queues tile ts's K and V rows (PRE: V rows and scores) into buffer slot, then closes a
+    // copy group (an empty one past the last tile).
     auto issue = [&](int ts, int slot) {
         if (ts <= p) {
             int nk = min(tk, p + 1 - ts);
-            u16* sk = s_kv + (size_t)slot * 2 * tile_elems;
-            u16* sv = sk + tile_elems;
+            u16* sk = s_kv + (size_t)slot * (PRE ? 1 : 2) * tile_elems;
+            u16* sv = PRE ? sk : sk + tile_elems;
+            if (PRE) {
+                for (int j = t; j < nk; j += ATT_THREADS) cp_async4(s_e2 + slot * ATT_MAX_TK + j, srow + ts + j);
+            }
             int n16 = nk * n16_row;
             // Block-table entries first (eight pieces at a time), then the copies.
             for (int i0 = t; i0 < n16; i0 += 8 * ATT_THREADS) {
@@ -2571,7 +2582,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_tiled(
                         int j = i / n16_row, piece = i % n16_row;
                         int key = ts + j;
                         size_t row = (((size_t)blk[u] * n_kv + kvh) * bsz + key % bsz) * head_dim + 8 * piece;
-                        cp_async16(sk + (size_t)j * head_dim + 8 * piece, kc + row);
+                        if (!PRE) cp_async16(sk + (size_t)j * head_dim + 8 * piece, kc + row);
                         cp_async16(sv + (size_t)j * head_dim + 8 * piece, vc + row);
                     }
                 }
@@ -2580,8 +2591,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_tiled(
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
     issue(0, 0);
-    const float* qh = q + ((size_t)r * n_head + h) * head_dim;
-    for (int i = t; i < head_dim; i += ATT_THREADS) s_q[i] = qh[i];
+    if (!PRE) {
+        const float* qh = q + ((size_t)r * n_head + h) * head_dim;
+        for (int i = t; i < head_dim; i += ATT_THREADS) s_q[i] = qh[i];
+    }
     float acc[MAX_HEAD_DIM / ATT_THREADS];
 #pragma unroll
     for (int c = 0; c < MAX_HEAD_DIM / ATT_THREADS; c++) acc[c] = 0.0f;
@@ -2594,10 +2607,11 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_tiled(
         issue(ts + tk, slot ^ 1);
         asm volatile("cp.async.wait_group 1;" ::: "memory");
         __syncthreads();
-        const u16* sk = s_kv + (size_t)slot * 2 * tile_elems;
-        const u16* sv = sk + tile_elems;
-        // 1. scores, 16 threads per key.
-        {
+        const u16* sk = s_kv + (size_t)slot * (PRE ? 1 : 2) * tile_elems;
+        const u16* sv = PRE ? sk : sk + tile_elems;
+        float* s_e = s_e2 + (PRE ? slot * ATT_MAX_TK : 0);
+        // 1. scores, 16 threads per key (PRE: already in s_e).
+        if (!PRE) {
             int grp = t >> 4, lane = t & 15;
             const int NG = ATT_THREADS / 16;
             for (int j0 = 0; j0 < nk; j0 += 2 * NG) {
@@ -2705,6 +2719,83 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_tiled(
     for (int c = 0; c < MAX_HEAD_DIM / ATT_THREADS; c++) {
         int i = t + c * ATT_THREADS;
         if (i < head_dim) o[i] = __fmul_rn(acc[c], inv);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_tiled(
+    const float* q, const u16* kc, const u16* vc, float* out, const int* pos, const int* table_off,
+    const int* tables, int n_head, int n_kv, int head_dim, int bsz, float scale, int tk) {
+    attention_tiled_impl<false>(q, kc, vc, out, pos, table_off, tables, n_head, n_kv, head_dim, bsz, scale, tk,
+                                nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_tiled_pre(
+    const float* q, const u16* kc, const u16* vc, float* out, const int* pos, const int* table_off,
+    const int* tables, int n_head, int n_kv, int head_dim, int bsz, float scale, int tk, const float* scores,
+    const int* soff) {
+    attention_tiled_impl<true>(q, kc, vc, out, pos, table_off, tables, n_head, n_kv, head_dim, bsz, scale, tk,
+                               scores, soff);
+}
+
+// The scores of decode attention, spread over the device (attention_tiled_pre takes them
+// from here): CTA (x, y) takes row r = y / n_kv and KV head y % n_kv, and key tiles x, x +
+// gridDim.x, ... of ATS_TK positions up to pos[r]; each tile's K rows are staged once for
+// the G = n_head / n_kv query heads of that KV head, and every (query head, key) score is
+// attention_tiled's (16 threads, canon's 16-lane dot and tree16, times scale), written to
+// scores[soff[r] + h * (pos[r] + 1) + key]. Dynamic shared memory: the G query rows (f32),
+// then one K tile (ATS_TK * head_dim u16).
+#define ATS_TK 64
+#define ATS_MAXG 16
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) att_scores(
+    const float* q, const u16* kc, const int* pos, const int* table_off, const int* tables, const int* soff,
+    float* scores, int n_head, int n_kv, int head_dim, int bsz, float scale) {
+    extern __shared__ __align__(16) u8 smem[];
+    pdl_trigger();
+    pdl_wait();
+    int r = blockIdx.y / n_kv, kvh = blockIdx.y % n_kv;
+    int G = n_head / n_kv;
+    int t = threadIdx.x;
+    int p = pos[r];
+    int ntiles = p / ATS_TK + 1;
+    if ((int)blockIdx.x >= ntiles) return;
+    const int* tab = tables + table_off[r];
+    float* s_q = (float*)smem;
+    u16* s_k = (u16*)(smem + (((size_t)G * head_dim * 4 + 15) & ~(size_t)15));
+    const float* qg = q + ((size_t)r * n_head + (size_t)kvh * G) * head_dim;
+    for (int i = t; i < G * head_dim; i += ATT_THREADS) s_q[i] = qg[i];
+    float* srow = scores + soff[r] + (size_t)kvh * G * (p + 1);
+    int n16_row = head_dim / 8;
+    int grp = t >> 4, lane = t & 15;
+    const int NG = ATT_THREADS / 16;
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        int ts = tile * ATS_TK;
+        int nk = min(ATS_TK, p + 1 - ts);
+        __syncthreads();  // the previous tile's K rows are read
+        for (int i = t; i < nk * n16_row; i += ATT_THREADS) {
+            int j = i / n16_row, piece = i - j * n16_row;
+            int key = ts + j;
+            int blk = tab[key / bsz];
+            size_t row = (((size_t)blk * n_kv + kvh) * bsz + key % bsz) * head_dim + 8 * piece;
+            cp_async16(s_k + (size_t)j * head_dim + 8 * piece, kc + row);
+        }
+        cp_async_wait_all();
+        __syncthreads();
+        int np = G * nk;
+        // Uniform trip count per warp (tree16 needs every lane of the warp).
+        for (int p0 = 0; p0 < np; p0 += NG) {
+            int pi = p0 + grp;
+            bool ok = pi < np;
+            int hh = ok ? pi / nk : 0, j = ok ? pi - hh * nk : 0;
+            const float* qh = s_q + (size_t)hh * head_dim;
+            const u16* kr = s_k + (size_t)j * head_dim;
+            float pa = 0.0f;
+            if (ok) {
+#pragma unroll 8
+                for (int i = lane; i < head_dim; i += 16) pa = fmaf(qh[i], f16_to_f32(kr[i]), pa);
+            }
+            float sum = tree16(pa);
+            if (lane == 0 && ok) srow[(size_t)hh * (p + 1) + ts + j] = __fmul_rn(sum, scale);
+        }
     }
 }
 

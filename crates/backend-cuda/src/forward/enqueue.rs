@@ -22,6 +22,18 @@ const ATT_THREADS: u32 = 256;
 const ATT_TILE_SMEM: usize = 128 * 1024;
 /// Most keys per attention tile (`ATT_MAX_TK` in `kernels.cu`).
 const ATT_MAX_TK: usize = 256;
+/// Largest head dimension of the attention kernels (`MAX_HEAD_DIM` in `kernels.cu`).
+const MAX_HEAD_DIM: usize = 512;
+/// Keys per `att_scores` tile (`ATS_TK` in `kernels.cu`).
+const ATS_TK: usize = 64;
+/// Most query heads per KV head `att_scores` takes (`ATS_MAXG` in `kernels.cu`).
+const ATS_MAXG: usize = 16;
+/// Most score values a step's split attention may hold (above it, the step computes its
+/// scores in the tiled kernel itself): 128 MiB.
+pub(super) const SPLIT_SCORES_MAX: usize = 32 << 20;
+/// Key tiles per (row, KV head) the `att_scores` grid offers: enough CTAs for every
+/// multiprocessor twice over at one row, each CTA taking every `slices`-th tile.
+const ATS_MAX_SLICES: usize = 64;
 
 /// Steps of at most this many rows run from captured graphs (decode, verify blocks).
 pub(super) const GRAPH_MAX_ROWS: usize = 16;
@@ -69,11 +81,16 @@ pub(super) struct Scratch {
     pub(super) sums: Buf<f64>,
     /// Row metadata, uploaded in one copy: positions (`rows`), the physical block each row
     /// writes (`rows`), each row's offset into the block tables (`rows`), the row tiles of
-    /// the many-row attention kernel (`rows + 1`: tile starts, then the row count), then the
-    /// tables.
+    /// the many-row attention kernel (`rows + 1`: tile starts, then the row count), each
+    /// row's offset into `scores` (`rows`), then the tables.
     pub(super) meta: Buf<i32>,
     /// Row tiles of this step for the many-row attention kernel (0: not used this step).
     pub(super) att_tiles: usize,
+    /// Whether this step's attention is split ([`StepOptions::attn_split`]: `att_scores`,
+    /// then `attention_tiled_pre`).
+    pub(super) att_split: bool,
+    /// The split attention's scores: per row, `n_head` rows of `pos + 1` keys.
+    pub(super) scores: Buf<f32>,
     pub(super) generation: u64,
 }
 
@@ -105,8 +122,10 @@ impl Scratch {
             parts: ArgmaxParts::new(dev, rows)?,
             ex: dev.zeros(cfg.n_vocab)?,
             sums: dev.zeros(rows * SUMMARY_STRIDE)?,
-            meta: dev.zeros(4 * rows + 64)?,
+            meta: dev.zeros(5 * rows + 64)?,
             att_tiles: 0,
+            att_split: false,
+            scores: dev.zeros(1)?,
             generation: next_generation(),
         })
     }
@@ -484,18 +503,39 @@ fn rope_kv(
     )
 }
 
+/// Dynamic shared memory of `att_scores`: the query rows of one KV head's heads (f32, to
+/// a 16-byte boundary), then one K tile.
+fn att_scores_smem(cfg: &Config) -> usize {
+    let g = cfg.n_head / cfg.n_head_kv.max(1);
+    (g * cfg.head_dim * 4).div_ceil(16) * 16 + ATS_TK * cfg.head_dim * 2
+}
+
+/// Whether the split attention (`att_scores`, `attention_tiled_pre`) takes this shape:
+/// whole groups of at most `ATS_MAXG` query heads per KV head, head dimension a multiple of
+/// 8 up to `MAX_HEAD_DIM`, the score kernel's shared memory within `smem_limit`.
+pub(super) fn split_attention_fits(cfg: &Config, smem_limit: usize) -> bool {
+    cfg.n_head_kv > 0
+        && cfg.n_head.is_multiple_of(cfg.n_head_kv)
+        && (1..=ATS_MAXG).contains(&(cfg.n_head / cfg.n_head_kv))
+        && cfg.head_dim.is_multiple_of(8)
+        && (8..=MAX_HEAD_DIM).contains(&cfg.head_dim)
+        && att_scores_smem(cfg) <= smem_limit
+}
+
 /// Keys per tile of the tiled attention kernel: whole KV blocks, both buffers of K and V
 /// tiles within `ATT_TILE_SMEM` bytes for steps of up to [`GRAPH_MAX_ROWS`] rows (few
 /// CTAs, long tiles), a quarter of that for larger steps (many CTAs per multiprocessor);
 /// at most `ATT_MAX_TK` (`kernels.cu`). The tile size never changes a result.
-fn attention_tile(hd: usize, bsz: usize, m: usize, limit: usize) -> usize {
+/// With `v_only` (`attention_tiled_pre`) only V tiles take the budget.
+fn attention_tile(hd: usize, bsz: usize, m: usize, limit: usize, v_only: bool) -> usize {
     let budget = if m <= GRAPH_MAX_ROWS {
         ATT_TILE_SMEM
     } else {
         ATT_TILE_SMEM / 4
     }
     .min(limit);
-    let keys = (budget / (8 * hd)).min(ATT_MAX_TK);
+    let per_key = if v_only { 4 * hd } else { 8 * hd };
+    let keys = (budget / per_key).min(ATT_MAX_TK);
     (keys / bsz * bsz).max(bsz)
 }
 
@@ -549,7 +589,7 @@ pub(super) fn attention_row_tiles(toff: &[i32]) -> Vec<usize> {
 /// steps of more than [`GRAPH_MAX_ROWS`] rows (never captured: the tile list is not part of
 /// a graph's key) averaging at least two rows per tile, head dimension 64 or 128, at most
 /// [`ATTR_MAXG`] query heads per KV head.
-fn attention_rows_kernel(
+pub(super) fn attention_rows_kernel(
     cfg: &Config,
     bsz: usize,
     m: usize,
@@ -599,7 +639,7 @@ fn attention(
         Arg::Ptr(dev.ptr(&s.attn, 0)),
         Arg::Ptr(dev.ptr(&s.meta, 0)),
         Arg::Ptr(dev.ptr(&s.meta, 2 * s.rows)),
-        Arg::Ptr(dev.ptr(&s.meta, 4 * s.rows + 1)),
+        Arg::Ptr(dev.ptr(&s.meta, 5 * s.rows + 1)),
     ];
     if let Some((name, tk)) = attention_rows_kernel(cfg, kv.bsz, m, s.att_tiles).filter(|_| rows) {
         // Two f16 (K, V) buffers, the f32 K and V tiles, the scores.
@@ -642,7 +682,48 @@ fn attention(
     if !tiled {
         return dev.launch("attention", grid, (ATT_THREADS, 1, 1), &args);
     }
-    let tk = attention_tile(hd, kv.bsz, m, dev.smem_limit());
+    if s.att_split {
+        // The scores over (key tile, row, KV head), then the other phases per (row, query
+        // head) on V tiles.
+        let rk = m * cfg.n_head_kv;
+        let slices = (2 * dev.sm_count()).div_ceil(rk).clamp(1, ATS_MAX_SLICES);
+        dev.launch_smem(
+            "att_scores",
+            (
+                u32::try_from(slices).unwrap_or(u32::MAX),
+                u32::try_from(rk).unwrap_or(u32::MAX),
+                1,
+            ),
+            (ATT_THREADS, 1, 1),
+            u32::try_from(att_scores_smem(cfg)).unwrap_or(u32::MAX),
+            &[
+                Arg::Ptr(dev.ptr(&s.q, 0)),
+                Arg::Ptr(dev.ptr(&kv.k[li], 0)),
+                Arg::Ptr(dev.ptr(&s.meta, 0)),
+                Arg::Ptr(dev.ptr(&s.meta, 2 * s.rows)),
+                Arg::Ptr(dev.ptr(&s.meta, 5 * s.rows + 1)),
+                Arg::Ptr(dev.ptr(&s.meta, 4 * s.rows + 1)),
+                Arg::Ptr(dev.ptr(&s.scores, 0)),
+                Arg::I32(cfg.n_head as i32),
+                Arg::I32(cfg.n_head_kv as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(kv.bsz as i32),
+                Arg::F32(scale),
+            ],
+        )?;
+        let tk = attention_tile(hd, kv.bsz, m, dev.smem_limit(), true);
+        args.push(Arg::I32(tk as i32));
+        args.push(Arg::Ptr(dev.ptr(&s.scores, 0)));
+        args.push(Arg::Ptr(dev.ptr(&s.meta, 4 * s.rows + 1)));
+        return dev.launch_smem(
+            "attention_tiled_pre",
+            grid,
+            (ATT_THREADS, 1, 1),
+            u32::try_from(4 * tk * hd).unwrap_or(u32::MAX),
+            &args,
+        );
+    }
+    let tk = attention_tile(hd, kv.bsz, m, dev.smem_limit(), false);
     args.push(Arg::I32(tk as i32));
     dev.launch_smem(
         "attention_tiled",

@@ -632,12 +632,15 @@ fn many_row_attention_matches_cpu_over_head_shapes_and_batches() {
         let la = run_chunks(&mut cpu, ca, 0, &ta, 150);
         let lb = run_chunks(&mut cpu, cb, 0, &tb, 45);
         let lc = run_chunks(&mut cpu, cc, 0, &tc, 38);
-        for rows_kernel in [true, false] {
+        // The many-row kernel; else the tiled kernel with its scores split out over the
+        // device, or computed per (row, query head) in the tiled kernel itself.
+        for (rows_kernel, split) in [(true, true), (false, true), (false, false)] {
             let mut gpu = cuda_backend(&g);
             let mut o = gpu.step_options();
             o.attn_rows = rows_kernel;
+            o.attn_split = split;
             gpu.set_step_options(o);
-            let what = format!("{tag} (many-row kernel {rows_kernel})");
+            let what = format!("{tag} (many-row kernel {rows_kernel}, split scores {split})");
             // One sequence: 37 rows, then 113 (starting inside a block).
             let sa = gpu.kv_new();
             let mut lg = run_chunks(&mut gpu, sa, 0, &ta[..37], 37);
@@ -676,21 +679,36 @@ fn many_row_attention_matches_cpu_over_head_shapes_and_batches() {
 #[test]
 fn attention_past_one_span_matches_cpu() {
     // The attention kernel scores 2048 keys per span; a context of 2,300 positions takes
-    // two spans, with the running max, sum and accumulators carried across.
+    // two spans, with the running max, sum and accumulators carried across. Decode steps
+    // run with the scores split out over the device (many key tiles per row) and without.
     let g = tiny_model_ctx("qwen2", GgmlType::Q8_0, None, "spans", 4096);
     let mut cpu = cpu_backend(&g);
-    let mut gpu = cuda_backend_kv(&g, 4096);
     let toks = tokens(2300, 21);
-    let (sc, sg) = (cpu.kv_new(), gpu.kv_new());
+    let sc = cpu.kv_new();
     let lc = run_chunks(&mut cpu, sc, 0, &toks[..2290], 512);
-    let lg = run_chunks(&mut gpu, sg, 0, &toks[..2290], 512);
-    for p in [0, 2047, 2048, 2049, 2289] {
-        assert_bits_eq(&format!("prefill position {p}"), &lg[p], &lc[p]);
-    }
-    let lc = run_chunks(&mut cpu, sc, 2290, &toks[2290..], 1);
-    let lg = run_chunks(&mut gpu, sg, 2290, &toks[2290..], 1);
-    for (p, (a, b)) in lg.iter().zip(&lc).enumerate() {
-        assert_bits_eq(&format!("decode position {}", 2290 + p), a, b);
+    let dc = run_chunks(&mut cpu, sc, 2290, &toks[2290..], 1);
+    for split in [true, false] {
+        let mut gpu = cuda_backend_kv(&g, 4096);
+        let mut o = gpu.step_options();
+        o.attn_split = split;
+        gpu.set_step_options(o);
+        let sg = gpu.kv_new();
+        let lg = run_chunks(&mut gpu, sg, 0, &toks[..2290], 512);
+        for p in [0, 2047, 2048, 2049, 2289] {
+            assert_bits_eq(
+                &format!("split {split}: prefill position {p}"),
+                &lg[p],
+                &lc[p],
+            );
+        }
+        let dg = run_chunks(&mut gpu, sg, 2290, &toks[2290..], 1);
+        for (p, (a, b)) in dg.iter().zip(&dc).enumerate() {
+            assert_bits_eq(
+                &format!("split {split}: decode position {}", 2290 + p),
+                a,
+                b,
+            );
+        }
     }
 }
 
