@@ -20,7 +20,8 @@
 //! fixed order costs; those logits are not the canonical ones), and with `--profile` the
 //! kernels of a 512-row and a 2048-row prefill and of one decode step (graphs off, a wait around each launch) at contexts 64 and
 //! 512, summed by kernel. `--steps-only` runs a 64-token prefill and four decode steps
-//! without graphs and nothing else (for an external profiler such as `ncu`); `--pp-only`
+//! without graphs and nothing else (for an external profiler such as `ncu`), and
+//! `--block16-only` a 512-token prefill and one 16-row verify block likewise; `--pp-only`
 //! stops after the first pp512 (a prefill's kernels for a profiler); `--quick` prints
 //! pp512, pp2048 and tg128 (the default kernels only, the choice on the device) and stops,
 //! for side-by-side rounds against llama-bench. `--verify-only` prints the verify-cost curve
@@ -293,6 +294,7 @@ fn verify_only(b: &mut lockstep_backend_cuda::CudaBackend, long: &[u32]) {
     for split in [true, false] {
         let mut o = opts0;
         o.attn_split = split;
+        o.attn_split_min_keys = 0;
         b.set_step_options(o);
         let (dec, toks) = decode_by_context(b, long, &ctxs);
         let (s, curve, block) = verify_curve(b, &long[..512], &draft);
@@ -348,9 +350,9 @@ fn verify_only(b: &mut lockstep_backend_cuda::CudaBackend, long: &[u32]) {
 
 fn main() {
     const USAGE: &str = "usage: cuda_bench MODEL.gguf [--check-cpu] [--unordered] [--profile] \
-                         [--ab] [--steps-only] [--pp-only] [--quick] [--verify-only]\n(the options are described at the top of \
+                         [--ab] [--steps-only] [--block16-only] [--pp-only] [--quick] [--verify-only]\n(the options are described at the top of \
                          crates/backend-cuda/examples/cuda_bench.rs)";
-    const FLAGS: [&str; 8] = [
+    const FLAGS: [&str; 9] = [
         "--quick",
         "--check-cpu",
         "--unordered",
@@ -358,6 +360,7 @@ fn main() {
         "--ab",
         "--pp-only",
         "--steps-only",
+        "--block16-only",
         "--verify-only",
     ];
     let args: Vec<String> = std::env::args().collect();
@@ -432,6 +435,19 @@ fn main() {
                 .expect("forward")[0];
         }
         println!("steps-only: last token {tok}");
+        return;
+    }
+    if args.iter().any(|a| a == "--block16-only") {
+        // For an external profiler: a 512-token prefill, then one 16-row verify block at
+        // context 512 with graphs off, nothing else.
+        let s = b.kv_new();
+        b.kv_prepare(s, 0, 528).expect("prepare");
+        b.forward(&rows(s, 0, &prompt, false), &mut logits)
+            .expect("forward");
+        b.set_graphs(false);
+        b.forward(&rows(s, 512, &long[512..528], true), &mut logits)
+            .expect("forward");
+        println!("block16-only: {} logits", logits.len());
         return;
     }
 

@@ -103,7 +103,13 @@ pub struct StepOptions {
     /// kernel's other phases on V tiles alone; otherwise each (row, query head) CTA computes
     /// its own scores. The same bits either way.
     pub attn_split: bool,
+    /// With `attn_split`: split only steps whose longest row attends to at least this many
+    /// keys (below it the extra launch costs more than it saves).
+    pub attn_split_min_keys: usize,
 }
+
+/// The default [`StepOptions::attn_split_min_keys`].
+pub const ATT_SPLIT_MIN_KEYS: usize = 512;
 
 impl Default for StepOptions {
     fn default() -> Self {
@@ -136,13 +142,14 @@ impl StepOptions {
             attn_tiled: true,
             attn_rows: true,
             attn_split: true,
+            attn_split_min_keys: ATT_SPLIT_MIN_KEYS,
         }
     }
 
     /// The choice for `model`: matvec mode 3 when its layers hold at least
     /// `MATVEC_MIN_LAYER_BYTES` of weights each, else mode 0 (the general kernels), as
-    /// `LOCKSTEP_CUDA_MATVEC`, `LOCKSTEP_CUDA_ATT_TILED=0`, `LOCKSTEP_CUDA_ATT_ROWS=0` and
-    /// `LOCKSTEP_CUDA_ATT_SPLIT=0` change it.
+    /// `LOCKSTEP_CUDA_MATVEC`, `LOCKSTEP_CUDA_ATT_TILED=0`, `LOCKSTEP_CUDA_ATT_ROWS=0`,
+    /// `LOCKSTEP_CUDA_ATT_SPLIT=0` and `LOCKSTEP_CUDA_ATT_SPLIT_MIN=KEYS` change it.
     pub fn for_model(model: &CudaModel) -> StepOptions {
         let layers = model.cfg.n_layer.max(1);
         let per_layer = model.weight_bytes.saturating_sub(model.output.n_bytes()) / layers;
@@ -159,6 +166,12 @@ impl StepOptions {
         o.attn_tiled = std::env::var("LOCKSTEP_CUDA_ATT_TILED").map_or(true, |v| v != "0");
         o.attn_rows = std::env::var("LOCKSTEP_CUDA_ATT_ROWS").map_or(true, |v| v != "0");
         o.attn_split = std::env::var("LOCKSTEP_CUDA_ATT_SPLIT").map_or(true, |v| v != "0");
+        if let Some(n) = std::env::var("LOCKSTEP_CUDA_ATT_SPLIT_MIN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            o.attn_split_min_keys = n;
+        }
         o
     }
 }
@@ -409,7 +422,9 @@ impl CudaBackend {
             soff.push(i32::try_from(total).unwrap_or(i32::MAX));
             total = total.saturating_add(cfg.n_head * (p as usize + 1));
         }
+        let keys = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(0);
         let split = opts.attn_split
+            && keys >= opts.attn_split_min_keys
             && opts.attn_tiled
             && !(opts.attn_rows && attention_rows_kernel(&cfg, bsz, m, s.att_tiles).is_some())
             && split_attention_fits(&cfg, dev.smem_limit())

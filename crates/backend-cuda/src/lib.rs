@@ -37,7 +37,9 @@ pub use device::{
     nvrtc_present,
 };
 #[cfg(feature = "cuda")]
-pub use forward::{CudaBackend, CudaModel, SUMMARY_MIN_ROWS, StepOptions, load_backend};
+pub use forward::{
+    ATT_SPLIT_MIN_KEYS, CudaBackend, CudaModel, SUMMARY_MIN_ROWS, StepOptions, load_backend,
+};
 #[cfg(feature = "cuda")]
 pub use ops::{ArgmaxParts, DevActs, DevMatrix, MvStyle};
 

@@ -639,6 +639,7 @@ fn many_row_attention_matches_cpu_over_head_shapes_and_batches() {
             let mut o = gpu.step_options();
             o.attn_rows = rows_kernel;
             o.attn_split = split;
+            o.attn_split_min_keys = 0;
             gpu.set_step_options(o);
             let what = format!("{tag} (many-row kernel {rows_kernel}, split scores {split})");
             // One sequence: 37 rows, then 113 (starting inside a block).
@@ -691,6 +692,7 @@ fn attention_past_one_span_matches_cpu() {
         let mut gpu = cuda_backend_kv(&g, 4096);
         let mut o = gpu.step_options();
         o.attn_split = split;
+        o.attn_split_min_keys = 0;
         gpu.set_step_options(o);
         let sg = gpu.kv_new();
         let lg = run_chunks(&mut gpu, sg, 0, &toks[..2290], 512);
@@ -727,6 +729,22 @@ fn g1_rows_are_bit_identical_whatever_the_batching() {
         }
         b.kv_release(s);
     }
+    // Decode steps and verify-sized blocks with the attention's scores split out at every
+    // context (the default splits only long ones): the same rows.
+    let defaults = b.step_options();
+    let mut o = defaults;
+    o.attn_split = true;
+    o.attn_split_min_keys = 0;
+    b.set_step_options(o);
+    for chunk in [1, 16] {
+        let s = b.kv_new();
+        let got = run_chunks(&mut b, s, 0, &toks, chunk);
+        for (p, (a, w)) in got.iter().zip(&whole).enumerate() {
+            assert_eq!(bits(a), bits(w), "split scores, chunk {chunk} position {p}");
+        }
+        b.kv_release(s);
+    }
+    b.set_step_options(defaults);
     // Two sequences in one batch (decode row of one beside a prefill of the other).
     let other = tokens(40, 10);
     let sa = b.kv_new();
