@@ -2319,38 +2319,6 @@ extern "C" __global__ void copy_u16(u16* base, long src, long dst, long count) {
     if (i < count) base[dst + i] = base[src + i];
 }
 
-// Queues the copies of keys [ts, ts + nk) of KV head kvh from the cache(s) (laid out
-// [block][n_kv][bsz][head_dim] f16) into the tile(s) at sk and sv (key ts + j at row j):
-// the range covers whole blocks but perhaps the first and last, each block's rows one
-// contiguous run in the cache, so the block-table entries are loaded eight at a time (the
-// same entry in every thread) and then each run copied in 16-byte pieces by threads t, t +
-// nt, .... With kc null only V is copied. The copies join the caller's open group.
-__device__ __forceinline__ void stage_kv_tile(u16* sk, u16* sv, const u16* kc, const u16* vc, const int* tab,
-                                              int ts, int nk, int n_kv, int kvh, int bsz, int head_dim, int t,
-                                              int nt) {
-    int c_first = ts / bsz, c_last = (ts + nk - 1) / bsz;
-    int h8 = head_dim / 8;
-    for (int c0 = c_first; c0 <= c_last; c0 += 8) {
-        int blk[8];
-#pragma unroll
-        for (int u = 0; u < 8; u++) blk[u] = c0 + u <= c_last ? tab[c0 + u] : 0;
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            int c = c0 + u;
-            if (c <= c_last) {
-                int a = max(ts, c * bsz), e = min(ts + nk, (c + 1) * bsz);
-                size_t src = (((size_t)blk[u] * n_kv + kvh) * bsz + (a - c * bsz)) * head_dim;
-                size_t dst = (size_t)(a - ts) * head_dim;
-                int n16 = (e - a) * h8;
-                for (int i = t; i < n16; i += nt) {
-                    if (kc) cp_async16(sk + dst + 8 * (size_t)i, kc + src + 8 * (size_t)i);
-                    cp_async16(sv + dst + 8 * (size_t)i, vc + src + 8 * (size_t)i);
-                }
-            }
-        }
-    }
-}
-
 // Attention (backend_cpu::attention::attend_one): one CTA of ATT_THREADS threads per (row,
 // query head). Keys are visited in chunks that end at block boundaries, in position order,
 // with the CPU's online softmax; the work is split so that only the two sequential chains
@@ -2586,6 +2554,7 @@ __device__ __forceinline__ void attention_tiled_impl(
     int p = pos[r];
     const int* tab = tables + table_off[r];
     const float* srow = PRE ? scores + soff[r] + (size_t)h * (p + 1) : nullptr;
+    int n16_row = head_dim / 8;  // 16-byte pieces per K or V row
     size_t tile_elems = (size_t)tk * head_dim;
     // Queues tile ts's K and V rows (PRE: V rows and scores) into buffer slot, then closes a
     // copy group (an empty one past the last tile).
@@ -2597,7 +2566,27 @@ __device__ __forceinline__ void attention_tiled_impl(
             if (PRE) {
                 for (int j = t; j < nk; j += ATT_THREADS) cp_async4(s_e2 + slot * ATT_MAX_TK + j, srow + ts + j);
             }
-            stage_kv_tile(sk, sv, PRE ? nullptr : kc, vc, tab, ts, nk, n_kv, kvh, bsz, head_dim, t, ATT_THREADS);
+            int n16 = nk * n16_row;
+            // Block-table entries first (eight pieces at a time), then the copies.
+            for (int i0 = t; i0 < n16; i0 += 8 * ATT_THREADS) {
+                int blk[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    int i = i0 + u * ATT_THREADS;
+                    blk[u] = i < n16 ? tab[(ts + i / n16_row) / bsz] : 0;
+                }
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    int i = i0 + u * ATT_THREADS;
+                    if (i < n16) {
+                        int j = i / n16_row, piece = i % n16_row;
+                        int key = ts + j;
+                        size_t row = (((size_t)blk[u] * n_kv + kvh) * bsz + key % bsz) * head_dim + 8 * piece;
+                        if (!PRE) cp_async16(sk + (size_t)j * head_dim + 8 * piece, kc + row);
+                        cp_async16(sv + (size_t)j * head_dim + 8 * piece, vc + row);
+                    }
+                }
+            }
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
@@ -2775,13 +2764,20 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) att_scores(
     const float* qg = q + ((size_t)r * n_head + (size_t)kvh * G) * head_dim;
     for (int i = t; i < G * head_dim; i += ATT_THREADS) s_q[i] = qg[i];
     float* srow = scores + soff[r] + (size_t)kvh * G * (p + 1);
+    int n16_row = head_dim / 8;
     int grp = t >> 4, lane = t & 15;
     const int NG = ATT_THREADS / 16;
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         int ts = tile * ATS_TK;
         int nk = min(ATS_TK, p + 1 - ts);
         __syncthreads();  // the previous tile's K rows are read
-        stage_kv_tile(nullptr, s_k, nullptr, kc, tab, ts, nk, n_kv, kvh, bsz, head_dim, t, ATT_THREADS);
+        for (int i = t; i < nk * n16_row; i += ATT_THREADS) {
+            int j = i / n16_row, piece = i - j * n16_row;
+            int key = ts + j;
+            int blk = tab[key / bsz];
+            size_t row = (((size_t)blk * n_kv + kvh) * bsz + key % bsz) * head_dim + 8 * piece;
+            cp_async16(s_k + (size_t)j * head_dim + 8 * piece, kc + row);
+        }
         cp_async_wait_all();
         __syncthreads();
         int np = G * nk;
@@ -2865,7 +2861,15 @@ __device__ __forceinline__ void attention_rows_impl(
             int nk = min(tk, pmax + 1 - ts);
             u16* sk = s_kv + (size_t)slot * 2 * tile_elems;
             u16* sv = sk + tile_elems;
-            stage_kv_tile(sk, sv, kc, vc, tab, ts, nk, n_kv, kvh, bsz, HD, t, blockDim.x);
+            const int n16_row = HD / 8;
+            int n16 = nk * n16_row;
+            for (int i = t; i < n16; i += blockDim.x) {
+                int j = i / n16_row, piece = i % n16_row;
+                int key = ts + j;
+                size_t row = (((size_t)tab[key / bsz] * n_kv + kvh) * bsz + key % bsz) * HD + 8 * piece;
+                cp_async16(sk + 8 * (size_t)i, kc + row);
+                cp_async16(sv + 8 * (size_t)i, vc + row);
+            }
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };

@@ -41,9 +41,10 @@ pub(super) const GRAPH_MAX_ROWS: usize = 16;
 pub(super) const GRAPH_CACHE: usize = 8;
 
 /// What a captured forward depends on: rows, the rows that want logits, the generation of
-/// the scratch buffers (bumped whenever one is reallocated), and whether it ends with the
-/// device argmax or the row summaries.
-pub(super) type GraphKey = (usize, Vec<usize>, u64, Tail);
+/// the scratch buffers (bumped whenever one is reallocated), whether it ends with the
+/// device argmax or the row summaries, and whether its attention is split
+/// ([`Scratch::att_split`]).
+pub(super) type GraphKey = (usize, Vec<usize>, u64, Tail, bool);
 
 /// What a forward leaves on the device after the logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
