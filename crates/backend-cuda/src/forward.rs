@@ -16,7 +16,7 @@ use crate::ops::{MvStyle, SUMMARY_STRIDE, i32_of, summary_of};
 use backend_cpu::{BlockAllocator, DEFAULT_BLOCK_SIZE};
 use enqueue::{
     GRAPH_CACHE, GRAPH_MAX_ROWS, Graph, GraphKey, SPLIT_SCORES_MAX, Scratch, Tail,
-    attention_row_tiles, attention_rows_kernel, capture, enqueue, next_generation,
+    attention_row_tiles, attention_rows_kernel, attr_rows, capture, enqueue, next_generation,
     split_attention_fits,
 };
 use gguf::GgufFile;
@@ -74,10 +74,11 @@ pub struct CudaBackend {
 }
 
 /// The fewest plain greedy logit rows of a step for which the engine takes row summaries
-/// unless [`CudaBackend::set_summaries`] says always or never: reading one 151,936-value
-/// row back costs less than summarizing it on the device (2.45 against 2.52 ms per token
-/// on the 1.5B shape, H100), two or more rows' copies more.
-pub const SUMMARY_MIN_ROWS: usize = 2;
+/// unless [`CudaBackend::set_summaries`] says always or never: one. With the normaliser's
+/// 256 lanes summed by 256 threads a row, summarizing even one 151,936-value row costs less
+/// than reading it back (tg128 on the 1.5B shape, H100: 472.4 / 470.3 t/s summarized
+/// against 453.6 / 450.2 read back; with 8 lanes the summary was the dearer one).
+pub const SUMMARY_MIN_ROWS: usize = 1;
 
 /// Which kernels a step runs on. Every choice computes the same bits; the older ones stay
 /// selectable to measure what each newer one buys (`cuda_bench --ab`), from the environment
@@ -215,9 +216,8 @@ impl CudaBackend {
     /// ([`ForwardBackend::forward_summaries`]: plain greedy rows never cross to the host)
     /// in every step it can (`true`) or reads every logit row back (`false`). Without a
     /// call (or `LOCKSTEP_CUDA_SUMMARIES=1` / `0`), steps of at least [`SUMMARY_MIN_ROWS`]
-    /// plain greedy rows take summaries and others read their rows back: one row's copy
-    /// costs less than the summary kernels, many rows' copies far more. The choices are
-    /// the same either way.
+    /// plain greedy rows take summaries and others read their rows back (a summary costs
+    /// less than one row's copy). The choices are the same either way.
     pub fn set_summaries(&mut self, on: bool) {
         self.summaries = Some(on);
     }
@@ -413,7 +413,7 @@ impl CudaBackend {
                 .map_err(be)?;
             s.generation = next_generation();
         }
-        let tiles = attention_row_tiles(&toff);
+        let tiles = attention_row_tiles(&toff, attr_rows());
         s.att_tiles = tiles.len() - 1;
         // The split attention's score rows (n_head × (pos + 1) per row), when this step
         // takes it (the choice is part of a graph's key; a larger buffer is a new

@@ -130,6 +130,40 @@ __device__ __forceinline__ float tree16(float v) {
     return v;
 }
 
+// tree16 of P values at once (P a power of two, 2..16): lane group of 16, value k of lane i
+// in v[k]. Each level pairs lane i with lane i ^ o (o = 8, 4, 2, 1), the pairs tree16 adds
+// at that level; while a lane holds more than one value it keeps half of them (the upper
+// half where lane bit o is set) and trades the other half with its partner, so a level
+// costs P / 2, P / 4, ... shuffles instead of P. Addition is commutative, so every sum has
+// tree16's bits. Returns, in lane i, the sum of value i >> (4 - log2 P) (every lane of the
+// group holds one; 16 / P lanes hold the same one). v is overwritten.
+template <int P>
+__device__ __forceinline__ float tree16_many(float* v, int lane16) {
+    int n = P;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {
+        if (n > 1) {
+            int h = n >> 1;
+            bool up = (lane16 & o) != 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                if (k < h) {
+                    float send = up ? v[k] : v[k + h];
+                    float keep = up ? v[k + h] : v[k];
+                    v[k] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, o, 16));
+                }
+            }
+            n = h;
+        } else {
+            v[0] = __fadd_rn(v[0], __shfl_xor_sync(0xffffffffu, v[0], o, 16));
+        }
+    }
+    return v[0];
+}
+
+// log2 of the power of two P (1..16).
+__host__ __device__ constexpr int log2_pow2(int P) { return P >= 16 ? 4 : P >= 8 ? 3 : P >= 4 ? 2 : P >= 2 ? 1 : 0; }
+
 // ---- activation quantizer (quant::acts::quantize_block_scalar) ------------------------
 
 // One warp per block of `bl` (32 or 256) values; grid (k / bl, m).
@@ -2319,6 +2353,38 @@ extern "C" __global__ void copy_u16(u16* base, long src, long dst, long count) {
     if (i < count) base[dst + i] = base[src + i];
 }
 
+// Queues the copies of keys [ts, ts + nk) of KV head kvh from the cache(s) (laid out
+// [block][n_kv][bsz][head_dim] f16) into the tile(s) at sk and sv (key ts + j at row j):
+// the range covers whole blocks but perhaps the first and last, each block's rows one
+// contiguous run in the cache, so the block-table entries are loaded eight at a time (the
+// same entry in every thread) and then each run copied in 16-byte pieces by threads t, t +
+// nt, .... With kc null only V is copied. The copies join the caller's open group.
+__device__ __forceinline__ void stage_kv_tile(u16* sk, u16* sv, const u16* kc, const u16* vc, const int* tab,
+                                              int ts, int nk, int n_kv, int kvh, int bsz, int head_dim, int t,
+                                              int nt) {
+    int c_first = ts / bsz, c_last = (ts + nk - 1) / bsz;
+    int h8 = head_dim / 8;
+    for (int c0 = c_first; c0 <= c_last; c0 += 8) {
+        int blk[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) blk[u] = c0 + u <= c_last ? tab[c0 + u] : 0;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int c = c0 + u;
+            if (c <= c_last) {
+                int a = max(ts, c * bsz), e = min(ts + nk, (c + 1) * bsz);
+                size_t src = (((size_t)blk[u] * n_kv + kvh) * bsz + (a - c * bsz)) * head_dim;
+                size_t dst = (size_t)(a - ts) * head_dim;
+                int n16 = (e - a) * h8;
+                for (int i = t; i < n16; i += nt) {
+                    if (kc) cp_async16(sk + dst + 8 * (size_t)i, kc + src + 8 * (size_t)i);
+                    cp_async16(sv + dst + 8 * (size_t)i, vc + src + 8 * (size_t)i);
+                }
+            }
+        }
+    }
+}
+
 // Attention (backend_cpu::attention::attend_one): one CTA of ATT_THREADS threads per (row,
 // query head). Keys are visited in chunks that end at block boundaries, in position order,
 // with the CPU's online softmax; the work is split so that only the two sequential chains
@@ -2554,7 +2620,6 @@ __device__ __forceinline__ void attention_tiled_impl(
     int p = pos[r];
     const int* tab = tables + table_off[r];
     const float* srow = PRE ? scores + soff[r] + (size_t)h * (p + 1) : nullptr;
-    int n16_row = head_dim / 8;  // 16-byte pieces per K or V row
     size_t tile_elems = (size_t)tk * head_dim;
     // Queues tile ts's K and V rows (PRE: V rows and scores) into buffer slot, then closes a
     // copy group (an empty one past the last tile).
@@ -2566,27 +2631,7 @@ __device__ __forceinline__ void attention_tiled_impl(
             if (PRE) {
                 for (int j = t; j < nk; j += ATT_THREADS) cp_async4(s_e2 + slot * ATT_MAX_TK + j, srow + ts + j);
             }
-            int n16 = nk * n16_row;
-            // Block-table entries first (eight pieces at a time), then the copies.
-            for (int i0 = t; i0 < n16; i0 += 8 * ATT_THREADS) {
-                int blk[8];
-#pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    int i = i0 + u * ATT_THREADS;
-                    blk[u] = i < n16 ? tab[(ts + i / n16_row) / bsz] : 0;
-                }
-#pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    int i = i0 + u * ATT_THREADS;
-                    if (i < n16) {
-                        int j = i / n16_row, piece = i % n16_row;
-                        int key = ts + j;
-                        size_t row = (((size_t)blk[u] * n_kv + kvh) * bsz + key % bsz) * head_dim + 8 * piece;
-                        if (!PRE) cp_async16(sk + (size_t)j * head_dim + 8 * piece, kc + row);
-                        cp_async16(sv + (size_t)j * head_dim + 8 * piece, vc + row);
-                    }
-                }
-            }
+            stage_kv_tile(sk, sv, PRE ? nullptr : kc, vc, tab, ts, nk, n_kv, kvh, bsz, head_dim, t, ATT_THREADS);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
@@ -2627,12 +2672,10 @@ __device__ __forceinline__ void attention_tiled_impl(
                     }
                     part[u] = pa;
                 }
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    int j = j0 + grp + u * NG;
-                    float sum = tree16(part[u]);
-                    if (lane == 0 && j < nk) s_e[j] = __fmul_rn(sum, scale);
-                }
+                // Lanes 0-7 hold key j0 + grp's sum, lanes 8-15 key j0 + grp + NG's.
+                float sum = tree16_many<2>(part, lane);
+                int j = j0 + grp + (lane >> 3) * NG;
+                if ((lane & 7) == 0 && j < nk) s_e[j] = __fmul_rn(sum, scale);
             }
         }
         __syncthreads();
@@ -2764,20 +2807,13 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) att_scores(
     const float* qg = q + ((size_t)r * n_head + (size_t)kvh * G) * head_dim;
     for (int i = t; i < G * head_dim; i += ATT_THREADS) s_q[i] = qg[i];
     float* srow = scores + soff[r] + (size_t)kvh * G * (p + 1);
-    int n16_row = head_dim / 8;
     int grp = t >> 4, lane = t & 15;
     const int NG = ATT_THREADS / 16;
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         int ts = tile * ATS_TK;
         int nk = min(ATS_TK, p + 1 - ts);
         __syncthreads();  // the previous tile's K rows are read
-        for (int i = t; i < nk * n16_row; i += ATT_THREADS) {
-            int j = i / n16_row, piece = i - j * n16_row;
-            int key = ts + j;
-            int blk = tab[key / bsz];
-            size_t row = (((size_t)blk * n_kv + kvh) * bsz + key % bsz) * head_dim + 8 * piece;
-            cp_async16(s_k + (size_t)j * head_dim + 8 * piece, kc + row);
-        }
+        stage_kv_tile(nullptr, s_k, nullptr, kc, tab, ts, nk, n_kv, kvh, bsz, head_dim, t, ATT_THREADS);
         cp_async_wait_all();
         __syncthreads();
         int np = G * nk;
@@ -2804,9 +2840,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) att_scores(
 // the CPU's online softmax, canon's 16-lane dot and tree16 for every score), organised so
 // that each K and V row staged in shared memory serves several rows and every query head
 // of its KV head:
-//   - a CTA takes a tile of up to ATTR_ROWS consecutive rows of one sequence (`tiles`, the
-//     host's list of tile starts, ntiles + 1 entries; a tile's rows share a block table)
-//     and one KV head (blockIdx.y); warp w is the tile's row w with its G = n_head / n_kv
+//   - a CTA takes a tile of up to blockDim.x / 32 (at most ATTR_MAX_ROWS) consecutive rows
+//     of one sequence (`tiles`, the host's list of tile starts, ntiles + 1 entries; a tile's
+//     rows share a block table) and one KV head (blockIdx.y); warp w is the tile's row w
+//     with its G = n_head / n_kv
 //     query heads (G a template parameter); tiles are taken last first (the longest rows
 //     start first);
 //   - keys go in tiles of tk positions (whole KV blocks): K and V copied by cp.async into
@@ -2814,7 +2851,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) att_scores(
 //     worked, and each tile converted once to f32 in shared memory for all rows;
 //   - scores: lane L holds lane L % 16 of canon's dot (elements i = L % 16 + 16 u in order,
 //     its q elements in registers) for keys j0 + L / 16 and j0 + 2 + L / 16, every head; the
-//     tree16 steps by shuffles, all of a pass's sums side by side;
+//     tree16 levels by shuffles, all of a pass's sums reduced together (tree16_many);
 //   - chunk maxima and the running max with its rescale factors (lane g for head g, chunk
 //     by chunk; a max is exact in any order), the exponentials (lanes over (key, head)),
 //     the running sum l (lane g, key by key) and the V accumulators (lane L holds
@@ -2823,8 +2860,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) att_scores(
 // the bits are the same.
 // Dynamic shared memory: two f16 buffers of (K, V) tiles (tk rows of HD), the f32 K tile
 // (rows of HD + ATTR_PAD), the f32 V tile (rows of HD), then the scores/exponentials,
-// ATTR_ROWS * tk * ATTR_MAXG floats.
-#define ATTR_ROWS 4
+// (rows per CTA) * tk * ATTR_MAXG floats.
+#define ATTR_MAX_ROWS 8
 #define ATTR_MAXG 8
 #define ATTR_MAXC 8
 #define ATTR_PAD 16
@@ -2836,9 +2873,11 @@ __device__ __forceinline__ void attention_rows_impl(
     constexpr int CL = HD / 16;        // elements per canon lane of a dot
     constexpr int DPT = HD / 32;       // V dimensions per lane
     constexpr int KS = HD + ATTR_PAD;  // f32 K row stride: the two half-warps on other banks
+    // Scores reduced together per pass (two keys, G heads), to a power of two.
+    constexpr int NV = 2 * G <= 2 ? 2 : 2 * G <= 4 ? 4 : 2 * G <= 8 ? 8 : 16;
     extern __shared__ __align__(16) u16 s_kv[];
-    __shared__ float s_m[ATTR_ROWS][ATTR_MAXC][ATTR_MAXG];
-    __shared__ float s_alpha[ATTR_ROWS][ATTR_MAXC][ATTR_MAXG];
+    __shared__ float s_m[ATTR_MAX_ROWS][ATTR_MAXC][ATTR_MAXG];
+    __shared__ float s_alpha[ATTR_MAX_ROWS][ATTR_MAXC][ATTR_MAXG];
     const float NEG_INF = __uint_as_float(0xff800000u);
     int tile = ntiles - 1 - (int)blockIdx.x;
     int r0 = tiles[tile], nr = tiles[tile + 1] - r0;
@@ -2861,15 +2900,7 @@ __device__ __forceinline__ void attention_rows_impl(
             int nk = min(tk, pmax + 1 - ts);
             u16* sk = s_kv + (size_t)slot * 2 * tile_elems;
             u16* sv = sk + tile_elems;
-            const int n16_row = HD / 8;
-            int n16 = nk * n16_row;
-            for (int i = t; i < n16; i += blockDim.x) {
-                int j = i / n16_row, piece = i % n16_row;
-                int key = ts + j;
-                size_t row = (((size_t)tab[key / bsz] * n_kv + kvh) * bsz + key % bsz) * HD + 8 * piece;
-                cp_async16(sk + 8 * (size_t)i, kc + row);
-                cp_async16(sv + 8 * (size_t)i, vc + row);
-            }
+            stage_kv_tile(sk, sv, kc, vc, tab, ts, nk, n_kv, kvh, bsz, HD, t, blockDim.x);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
@@ -2934,44 +2965,45 @@ __device__ __forceinline__ void attention_rows_impl(
                     xa[u] = ka[16 * u];
                     xb[u] = kb[16 * u];
                 }
-                float pa[G], pb[G];
+                // v[g]: key ja, head g; v[G + g]: key jb, head g; zeros up to NV.
+                float v[NV];
 #pragma unroll
                 for (int g = 0; g < G; g++) {
-                    pa[g] = 0.0f;
-                    pb[g] = 0.0f;
+                    float pa = 0.0f, pb = 0.0f;
 #pragma unroll
                     for (int u = 0; u < CL; u++) {
-                        pa[g] = fmaf(qr[g][u], xa[u], pa[g]);
-                        pb[g] = fmaf(qr[g][u], xb[u], pb[g]);
+                        pa = fmaf(qr[g][u], xa[u], pa);
+                        pb = fmaf(qr[g][u], xb[u], pb);
                     }
+                    v[g] = pa;
+                    v[G + g] = pb;
                 }
 #pragma unroll
-                for (int off = 8; off > 0; off >>= 1) {
-#pragma unroll
-                    for (int g = 0; g < G; g++) {
-                        pa[g] = __fadd_rn(pa[g], __shfl_down_sync(0xffffffffu, pa[g], off, 16));
-                        pb[g] = __fadd_rn(pb[g], __shfl_down_sync(0xffffffffu, pb[g], off, 16));
-                    }
-                }
-                if (c16 == 0) {
-#pragma unroll
-                    for (int g = 0; g < G; g++) {
-                        if (ja < nk) s_e[ja * ATTR_MAXG + g] = __fmul_rn(pa[g], scale);
-                        if (jb < nk) s_e[jb * ATTR_MAXG + g] = __fmul_rn(pb[g], scale);
-                    }
+                for (int k = 2 * G; k < NV; k++) v[k] = 0.0f;
+                float sum = tree16_many<NV>(v, c16);
+                int idx = c16 >> (4 - log2_pow2(NV));
+                if ((c16 & ((16 / NV) - 1)) == 0 && idx < 2 * G) {
+                    int j = idx < G ? ja : jb;
+                    int g = idx < G ? idx : idx - G;
+                    if (j < nk) s_e[j * ATTR_MAXG + g] = __fmul_rn(sum, scale);
                 }
             }
             __syncwarp();
-            // 2. chunk maxima, then the running max chunk by chunk (lane g, head g).
-            if (L < G) {
-                for (int c = 0; c < nc; c++) {
-                    int a = c * bsz, e = min(a + bsz, nk);
-                    float cm = NEG_INF;
-#pragma unroll 8
-                    for (int j = a; j < e; j++) {
-                        float xv = s_e[j * ATTR_MAXG + L];
-                        cm = xv > cm ? xv : cm;
-                    }
+            // 2. chunk maxima (lane L: head L % 8 over keys L / 8, L / 8 + 4, ... of the
+            // chunk, then the four lanes of a head combined; a max is exact in any order),
+            // then the running max chunk by chunk (lane g, head g).
+            for (int c = 0; c < nc; c++) {
+                int a = c * bsz, e = min(a + bsz, nk);
+                float cm = NEG_INF;
+                for (int j = a + (L >> 3); j < e; j += 4) {
+                    float xv = s_e[j * ATTR_MAXG + (L & 7)];
+                    cm = xv > cm ? xv : cm;
+                }
+                float o8 = __shfl_xor_sync(0xffffffffu, cm, 8);
+                cm = o8 > cm ? o8 : cm;
+                float o16 = __shfl_xor_sync(0xffffffffu, cm, 16);
+                cm = o16 > cm ? o16 : cm;
+                if (L < G) {
                     float m_new = cm > m ? cm : m;
                     float alpha = 0.0f;
                     int moved = m_new != m;
@@ -3050,7 +3082,7 @@ __device__ __forceinline__ void attention_rows_impl(
 }
 
 #define ATTENTION_ROWS(HD, G)                                                                      \
-    extern "C" __global__ void __launch_bounds__(ATTR_ROWS * 32) attention_rows_##HD##_##G(        \
+    extern "C" __global__ void __launch_bounds__(ATTR_MAX_ROWS * 32, 1) attention_rows_##HD##_##G( \
         const float* q, const u16* kc, const u16* vc, float* out, const int* pos,                  \
         const int* table_off, const int* tables, const int* tiles, int ntiles, int n_head,         \
         int n_kv, int bsz, float scale, int tk) {                                                  \
@@ -3185,26 +3217,36 @@ extern "C" __global__ void summary_exp(const float* logits, int n, const int* id
     }
 }
 
-// Second launch, grid rows of 8 threads: thread j sums, in index order, the f64 of
-// ex[r * n + i] for i % 8 == j (logprob.rs `lane_sums`); out[r * 10 + j] = that lane,
+// Second launch, grid rows of 256 threads (sampling's NORM_LANES): thread j sums, in index
+// order, the f64 of ex[r * n + i] for i % 256 == j (logprob.rs `lane_sums`), then the lanes
+// are folded by the adjacent-pair tree down to 8 (`fold_lanes`): out[r * 10 + j] = those 8,
 // out[r * 10 + 8] = the max (the argmax's logit), out[r * 10 + 9] = the argmax.
-extern "C" __global__ void summary_lanes(const float* logits, int n, const int* ids,
-                                         const float* ex, double* out) {
+extern "C" __global__ void __launch_bounds__(256) summary_lanes(const float* logits, int n, const int* ids,
+                                                                const float* ex, double* out) {
+    __shared__ double s[256];
     pdl_trigger();
     pdl_wait();
     int r = blockIdx.x, j = threadIdx.x;
     const float* e = ex + (size_t)r * n;
     double acc = 0.0;
     int i = j;
-    for (; i + 56 < n; i += 64) {
+    for (; i + 7 * 256 < n; i += 8 * 256) {
         float v[8];
 #pragma unroll
-        for (int u = 0; u < 8; u++) v[u] = e[i + 8 * u];
+        for (int u = 0; u < 8; u++) v[u] = e[i + 256 * u];
 #pragma unroll
         for (int u = 0; u < 8; u++) acc = __dadd_rn(acc, (double)v[u]);
     }
-    for (; i < n; i += 8) acc = __dadd_rn(acc, (double)e[i]);
-    out[(size_t)r * 10 + j] = acc;
+    for (; i < n; i += 256) acc = __dadd_rn(acc, (double)e[i]);
+    s[j] = acc;
+    __syncthreads();
+    for (int w = 128; w >= 8; w >>= 1) {
+        double v = j < w ? __dadd_rn(s[2 * j], s[2 * j + 1]) : 0.0;
+        __syncthreads();
+        if (j < w) s[j] = v;
+        __syncthreads();
+    }
+    if (j < 8) out[(size_t)r * 10 + j] = s[j];
     if (j == 0) {
         int id = ids[r];
         out[(size_t)r * 10 + 8] = (double)logits[(size_t)r * n + id];

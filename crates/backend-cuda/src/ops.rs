@@ -1193,8 +1193,8 @@ impl Device {
     /// The [`sampling::RowSummary`] parts of `rows` rows of `n` logits whose argmaxes
     /// [`Device::argmax_rows`] left in `ids`: `out[r * SUMMARY_STRIDE..]` = the 8 f64 lane
     /// sums of `exp(l - max)` (NaN when the row holds a NaN), the max, the argmax. Two
-    /// launches: the exps into `ex` (`rows * n`), then 8 threads a row sum them in index
-    /// order, as `sampling` does.
+    /// launches: the exps into `ex` (`rows * n`), then 256 threads a row sum them in index
+    /// order per lane and fold the lanes to 8, as `sampling` does.
     pub(crate) fn row_summaries(
         &self,
         logits: &Buf<f32>,
@@ -1228,7 +1228,7 @@ impl Device {
         self.launch(
             "summary_lanes",
             (r, 1, 1),
-            (sampling::SUMMARY_LANES as u32, 1, 1),
+            (sampling::NORM_LANES as u32, 1, 1),
             &[
                 Arg::Ptr(self.ptr(logits, 0)),
                 Arg::I32(i32_of("n", n)?),

@@ -48,7 +48,7 @@ pub use choose::{Choice, ChoiceContext, SampleError, Sampler, choose};
 pub use constraint::{ConstraintError, TokenConstraint};
 #[cfg(any(test, feature = "testing"))]
 pub use constraint::{ContractViolation, check_contract};
-pub use logprob::{RowSummary, SUMMARY_LANES, TokenLogprob, row_summary, top_logprobs};
+pub use logprob::{NORM_LANES, RowSummary, SUMMARY_LANES, TokenLogprob, row_summary, top_logprobs};
 pub use mask::{MaskError, TokenMask};
 pub use noise::{NoiseKey, gumbel, gumbel_from_bits};
 pub use params::{ParamError, SamplingParams};

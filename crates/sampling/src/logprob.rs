@@ -1,8 +1,9 @@
 //! Log-softmax of the raw logits at temperature 1, for reporting `logprob`s.
 //!
 //! One full pass for the maximum, one for `sum(exp(l - max))` with a fixed-lane f32 `exp`
-//! written so the compiler vectorises it; the lane order is fixed, so the result is the same
-//! whether or not it was vectorised.
+//! written so the compiler vectorises it: 256 lanes, each adding its terms in index order,
+//! combined by a fixed tree, so the result is the same whether or not it was vectorised, and
+//! a GPU computes the same bits with 256 threads.
 
 use crate::SampleError;
 
@@ -141,6 +142,14 @@ pub(crate) fn max_f32(xs: &[f32]) -> f32 {
     max_and_nan(xs).0
 }
 
+/// Lanes of the normaliser's sum: term `i` (the f32 `exp_nonpositive(l_i - max)` widened to
+/// f64) goes to lane `i % NORM_LANES`, each lane adds its terms in index order, and the
+/// lanes are combined by the adjacent-pair tree (`(l0 + l1)`, `(l2 + l3)`, ..., then pairs
+/// of those, ...). 256 lanes: a device sums a row with 256 threads, each chain 1/256 of the
+/// vocabulary long, and the CPU's lanes are contiguous vectors.
+pub const NORM_LANES: usize = 256;
+/// Lanes a [`RowSummary`] carries: lane `j` is the tree of the normaliser's lanes
+/// `[32 j, 32 j + 32)`, so the last three levels of the tree are [`lse_of_lanes`]'s.
 const LANES: usize = 8;
 
 /// `(max, ln(sum(exp(l - max))))` over all logits: the log-softmax normaliser at T = 1.
@@ -157,9 +166,10 @@ pub(crate) fn log_normalizer(logits: &[f32]) -> Result<(f32, f64), SampleError> 
     Ok((max, lse_of_lanes(&lane_sums(logits, max))))
 }
 
-/// The [`SUMMARY_LANES`] partial sums of `exp(l - max)`: lane `j` adds, in index order, the
-/// terms of the logits at indices `i` with `i % 8 == j`, each term the f32
-/// `exp_nonpositive(l - max)` widened to f64.
+/// The [`SUMMARY_LANES`] partial sums of `exp(l - max)`: the [`NORM_LANES`] lane sums
+/// (lane `j` adds, in index order, the terms of the logits at indices `i` with
+/// `i % NORM_LANES == j`, each term the f32 `exp_nonpositive(l - max)` widened to f64),
+/// folded by the adjacent-pair tree down to [`SUMMARY_LANES`] values.
 ///
 /// On x86-64 with AVX-512F or AVX2 the same code is compiled for that instruction set and
 /// chosen at run time (the baseline build vectorises only to SSE2's width): the same IEEE
@@ -197,37 +207,45 @@ unsafe fn lane_sums_avx2(logits: &[f32], max: f32) -> [f64; LANES] {
 /// [`lane_sums`] for any target (the reference the compiled variants equal bit for bit).
 #[inline(always)]
 fn lane_sums_portable(logits: &[f32], max: f32) -> [f64; LANES] {
-    // Four rows of lanes' terms at a time (the exponentials side by side, as wide as the
-    // target allows), then added lane by lane in index order.
-    const W: usize = 4 * LANES;
-    let mut lanes = [0f64; LANES];
-    let wide = logits.chunks_exact(W);
-    let tail = wide.remainder();
+    let mut lanes = [0f64; NORM_LANES];
+    let wide = logits.chunks_exact(NORM_LANES);
+    let rest = wide.remainder();
     for c in wide {
-        let mut e = [0f32; W];
-        for j in 0..W {
-            e[j] = exp_nonpositive(c[j] - max);
-        }
-        for r in 0..W / LANES {
-            for j in 0..LANES {
-                lanes[j] += f64::from(e[r * LANES + j]);
+        // The exponentials side by side (as wide as the target allows), then each added
+        // to its lane.
+        for (l, x) in lanes.chunks_exact_mut(32).zip(c.chunks_exact(32)) {
+            let mut e = [0f32; 32];
+            for j in 0..32 {
+                e[j] = exp_nonpositive(x[j] - max);
             }
-        }
-    }
-    let chunks = tail.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for j in 0..LANES {
-            lanes[j] += f64::from(exp_nonpositive(c[j] - max));
+            for j in 0..32 {
+                l[j] += f64::from(e[j]);
+            }
         }
     }
     for (j, &x) in rest.iter().enumerate() {
         lanes[j] += f64::from(exp_nonpositive(x - max));
     }
-    lanes
+    fold_lanes(&mut lanes)
 }
 
-/// `ln` of the lanes' total, combined by a fixed tree: the normaliser `lse`.
+/// The adjacent-pair tree of `lanes` ([`NORM_LANES`] values) down to [`LANES`] values:
+/// level by level, value `i` of the next level is `v[2 i] + v[2 i + 1]`.
+#[inline(always)]
+fn fold_lanes(lanes: &mut [f64; NORM_LANES]) -> [f64; LANES] {
+    let mut n = NORM_LANES;
+    while n > LANES {
+        n /= 2;
+        for i in 0..n {
+            lanes[i] = lanes[2 * i] + lanes[2 * i + 1];
+        }
+    }
+    let mut out = [0f64; LANES];
+    out.copy_from_slice(&lanes[..LANES]);
+    out
+}
+
+/// `ln` of the lanes' total, combined by the same adjacent-pair tree: the normaliser `lse`.
 fn lse_of_lanes(lanes: &[f64; LANES]) -> f64 {
     let sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
         + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
@@ -247,8 +265,10 @@ pub struct RowSummary {
     pub argmax: u32,
     /// The maximal logit (meaningless when `fallback`).
     pub max: f32,
-    /// Lane `j`: the f64 sum, in index order, of `exp_nonpositive(l - max)` (the crate's one
-    /// f32 `exp`) over the logits at indices `i % 8 == j` (zeros when `fallback`).
+    /// Lane `j`: the adjacent-pair tree of the normaliser's lanes `[32 j, 32 j + 32)`, where
+    /// normaliser lane `k` is the f64 sum, in index order, of `exp_nonpositive(l - max)` (the
+    /// crate's one f32 `exp`) over the logits at indices `i % 256 == k` (zeros when
+    /// `fallback`).
     pub lanes: [f64; SUMMARY_LANES],
     /// The row holds a NaN or `+inf`, or no logit above `-inf` (or is empty): the caller
     /// must choose from the full row, which reports the error.
@@ -346,11 +366,18 @@ mod tests {
 
     /// The lane sums as the canonical order states them, one element at a time.
     fn lane_sums_plain(logits: &[f32], max: f32) -> [f64; LANES] {
-        let mut lanes = [0f64; LANES];
+        let mut lanes = [0f64; NORM_LANES];
         for (i, &x) in logits.iter().enumerate() {
-            lanes[i % LANES] += f64::from(exp_nonpositive(x - max));
+            lanes[i % NORM_LANES] += f64::from(exp_nonpositive(x - max));
         }
-        lanes
+        // The adjacent-pair tree of each 32 consecutive lanes, written recursively.
+        fn tree(v: &[f64]) -> f64 {
+            match v.len() {
+                1 => v[0],
+                n => tree(&v[..n / 2]) + tree(&v[n / 2..]),
+            }
+        }
+        std::array::from_fn(|j| tree(&lanes[32 * j..32 * j + 32]))
     }
 
     /// A 64-bit LCG's high bits: reproducible test values.
@@ -369,7 +396,7 @@ mod tests {
         let mut next = lcg(0x5eed);
         let mut rows = Vec::new();
         for len in [
-            0usize, 1, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 63, 100, 1000, 4099,
+            0usize, 1, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 63, 100, 255, 256, 257, 1000, 4099,
         ] {
             for case in 0..8 {
                 let row: Vec<f32> = (0..len)

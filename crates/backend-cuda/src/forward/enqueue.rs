@@ -540,8 +540,25 @@ fn attention_tile(hd: usize, bsz: usize, m: usize, limit: usize, v_only: bool) -
     (keys / bsz * bsz).max(bsz)
 }
 
-/// Rows per CTA of the many-row attention kernel (`ATTR_ROWS` in `kernels.cu`).
-const ATTR_ROWS: usize = 4;
+/// Rows per CTA of the many-row attention kernel unless `LOCKSTEP_CUDA_ATTR_ROWS` says
+/// otherwise (one warp a row).
+const ATTR_ROWS_DEFAULT: usize = 8;
+/// Most rows per CTA the many-row attention kernel holds (`ATTR_MAX_ROWS` in `kernels.cu`).
+const ATTR_MAX_ROWS: usize = 8;
+
+/// Rows per CTA of the many-row attention kernel: `LOCKSTEP_CUDA_ATTR_ROWS` (1 to
+/// [`ATTR_MAX_ROWS`]) if set, else [`ATTR_ROWS_DEFAULT`]. Read once per process. The tile
+/// size changes which rows share a CTA, never a row's arithmetic.
+pub(crate) fn attr_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("LOCKSTEP_CUDA_ATTR_ROWS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|r| (1..=ATTR_MAX_ROWS).contains(r))
+            .unwrap_or(ATTR_ROWS_DEFAULT)
+    })
+}
 /// Most query heads per KV head (`ATTR_MAXG`) and key chunks per tile (`ATTR_MAXC`) the
 /// many-row attention kernel holds.
 const ATTR_MAXG: usize = 8;
@@ -573,12 +590,12 @@ pub(crate) const ATTENTION_ROWS_128: [&str; ATTR_MAXG] = [
 
 /// The row tiles of the many-row attention kernel for rows with block-table offsets
 /// `toff` (one offset per sequence): runs of consecutive rows of one sequence, at most
-/// [`ATTR_ROWS`] each, as the list of tile starts followed by the row count.
-pub(super) fn attention_row_tiles(toff: &[i32]) -> Vec<usize> {
+/// `rows` each, as the list of tile starts followed by the row count.
+pub(super) fn attention_row_tiles(toff: &[i32], rows: usize) -> Vec<usize> {
     let mut tiles = Vec::with_capacity(toff.len() + 1);
     for (r, &t) in toff.iter().enumerate() {
         let start = tiles.last().copied();
-        if start.is_none_or(|s0: usize| toff[s0] != t || r - s0 == ATTR_ROWS) {
+        if start.is_none_or(|s0: usize| toff[s0] != t || r - s0 == rows) {
             tiles.push(r);
         }
     }
@@ -644,10 +661,9 @@ fn attention(
     ];
     if let Some((name, tk)) = attention_rows_kernel(cfg, kv.bsz, m, s.att_tiles).filter(|_| rows) {
         // Two f16 (K, V) buffers, the f32 K and V tiles, the scores.
-        let smem = 4 * tk * hd * 2
-            + tk * (hd + ATTR_PAD) * 4
-            + tk * hd * 4
-            + ATTR_ROWS * tk * ATTR_MAXG * 4;
+        let rows = attr_rows();
+        let smem =
+            4 * tk * hd * 2 + tk * (hd + ATTR_PAD) * 4 + tk * hd * 4 + rows * tk * ATTR_MAXG * 4;
         let mut args = buffers;
         args.extend([
             Arg::Ptr(dev.ptr(&s.meta, 3 * s.rows)),
@@ -666,7 +682,7 @@ fn attention(
         return dev.launch_smem(
             name,
             grid,
-            ((ATTR_ROWS * 32) as u32, 1, 1),
+            ((rows * 32) as u32, 1, 1),
             u32::try_from(smem).unwrap_or(u32::MAX),
             &args,
         );
@@ -865,5 +881,21 @@ pub(super) fn capture(
         Ok(Some(g)) => Ok(Graph(g)),
         Ok(None) => Err(CudaError::Driver("graph capture produced no graph".into())),
         Err(e) => Err(CudaError::Driver(format!("end capture: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attention_row_tiles;
+
+    #[test]
+    fn row_tiles_split_at_sequences_and_at_the_row_limit() {
+        // Sequences of 6, 1 and 3 rows (table offsets 0, 9, 4).
+        let toff = [0, 0, 0, 0, 0, 0, 9, 4, 4, 4];
+        assert_eq!(attention_row_tiles(&toff, 4), [0, 4, 6, 7, 10]);
+        assert_eq!(attention_row_tiles(&toff, 8), [0, 6, 7, 10]);
+        assert_eq!(attention_row_tiles(&toff, 2), [0, 2, 4, 6, 7, 9, 10]);
+        assert_eq!(attention_row_tiles(&toff, 1), (0..=10).collect::<Vec<_>>());
+        assert_eq!(attention_row_tiles(&[], 4), [0]);
     }
 }
