@@ -2843,17 +2843,17 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) att_scores(
 //   - a CTA takes a tile of up to blockDim.x / 32 (at most ATTR_MAX_ROWS) consecutive rows
 //     of one sequence (`tiles`, the host's list of tile starts, ntiles + 1 entries; a tile's
 //     rows share a block table) and one KV head (blockIdx.y); warp w is the tile's row w
-//     with its G = n_head / n_kv
-//     query heads (G a template parameter); tiles are taken last first (the longest rows
-//     start first);
+//     with its G = n_head / n_kv query heads (G a template parameter); tiles are taken
+//     last first (the longest rows start first);
 //   - keys go in tiles of tk positions (whole KV blocks): K and V copied by cp.async into
 //     one of two f16 buffers, the next tile's copies in flight while the current one is
 //     worked, and each tile converted once to f32 in shared memory for all rows;
 //   - scores: lane L holds lane L % 16 of canon's dot (elements i = L % 16 + 16 u in order,
 //     its q elements in registers) for keys j0 + L / 16 and j0 + 2 + L / 16, every head; the
 //     tree16 levels by shuffles, all of a pass's sums reduced together (tree16_many);
-//   - chunk maxima and the running max with its rescale factors (lane g for head g, chunk
-//     by chunk; a max is exact in any order), the exponentials (lanes over (key, head)),
+//   - chunk maxima (lanes over (key, head), then across the warp; a max is exact in any
+//     order), the running max with its rescale factors (lane g for head g, chunk by
+//     chunk), the exponentials (lanes over (key, head)),
 //     the running sum l (lane g, key by key) and the V accumulators (lane L holds
 //     dimensions [HD/32 L, HD/32 (L + 1)) of every head, key by key).
 // Each (row, head, dimension) goes through the operations of `attention`, in its order, so

@@ -1191,7 +1191,7 @@ pub(crate) const SUMMARY_STRIDE: usize = sampling::SUMMARY_LANES + 2;
 
 impl Device {
     /// The [`sampling::RowSummary`] parts of `rows` rows of `n` logits whose argmaxes
-    /// [`Device::argmax_rows`] left in `ids`: `out[r * SUMMARY_STRIDE..]` = the 8 f64 lane
+    /// [`Device::argmax_rows`] left in `ids`: `out[r * SUMMARY_STRIDE..]` = the 8 f64 partial
     /// sums of `exp(l - max)` (NaN when the row holds a NaN), the max, the argmax. Two
     /// launches: the exps into `ex` (`rows * n`), then 256 threads a row sum them in index
     /// order per lane and fold the lanes to 8, as `sampling` does.
