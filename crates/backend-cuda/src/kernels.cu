@@ -70,8 +70,10 @@ __device__ __forceinline__ u16 f32_to_f16(float x) {
     return sign | (u16)q;
 }
 
+// p is 2-byte aligned: every block format's f16 fields sit at even offsets of blocks that
+// start at even addresses (as ld_u32_2 below assumes too), so one 16-bit load.
 __device__ __forceinline__ float ld_f16(const u8* p) {
-    return f16_to_f32((u16)p[0] | ((u16)p[1] << 8));
+    return f16_to_f32(*(const u16*)p);
 }
 
 __device__ __forceinline__ u32 ld_u32(const u8* p) {
@@ -282,14 +284,15 @@ template <> __device__ __forceinline__ void sub_scale<F_Q3_K>(const u8* b, int j
     *sc = (int)((i8)(u8)(low | (high << 4))) - 32;
     *mn = 0;
 }
+// Without a branch (lanes of one warp ask for different j): a = q[j & 3], b = q[(j & 3) +
+// 4], c = q[8 + (j & 3)]; for j < 4 sc = a & 63, mn = b & 63; else sc = (c & 0xF) | (a >> 6)
+// << 4, mn = (c >> 4) | (b >> 6) << 4 (j - 4 = j & 3 and j = (j & 3) + 4 there).
 __device__ __forceinline__ void scale_min_k4(int j, const u8* q, int* sc, int* mn) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *mn = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
+    int i = j & 3;
+    int a = q[i], b = q[i + 4], c = q[i + 8];
+    bool lo = j < 4;
+    *sc = lo ? (a & 63) : ((c & 0xF) | ((a >> 6) << 4));
+    *mn = lo ? (b & 63) : ((c >> 4) | ((b >> 6) << 4));
 }
 template <> __device__ __forceinline__ void sub_scale<F_Q4_K>(const u8* b, int j, int* sc, int* mn) {
     scale_min_k4(j, b + 4, sc, mn);
@@ -1656,6 +1659,123 @@ __device__ __forceinline__ int fmt_bb(int f) {
     }
 }
 
+// Element i of a three-element array with constant indices only (no local memory).
+#define PICK(a, i) ((i) == 0 ? (a)[0] : ((i) == 1 ? (a)[1] : (a)[2]))
+
+// The norm weight values a warp's first activation block needs (block b = warp index, value
+// lane + 32 u), loaded before the kernel waits for the one before it: weights, not its
+// output, so mv_prologue's norm needs no global load after the wait for its first block.
+__device__ __forceinline__ void mv_norm_preload(const float* nw, int k, int bla, float* nwv) {
+    int b = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        int i = lane + 32 * u;
+        nwv[u] = nw && i < bla && b < k / bla ? nw[(size_t)b * bla + i] : 0.0f;
+    }
+}
+
+// The matvec prologue: waits for the kernel before (programmatic dependent launch), then
+// puts the activation row into shared memory as codes sq and block scales sd. From an f32 row x (optionally RMS-normalized with
+// weight nw first): the operations of norm_quant and quantize_acts, so every CTA gets the
+// bits those kernels write; the row is read with plain loads (not cp.async, whose groups
+// complete in order: waiting for the row would wait for the weight units issued before it),
+// so the norm and quantizer run while the weights are still arriving. Without x, the
+// pre-quantized codes qs and scales ad are copied. nwv: mv_norm_preload's values. Ends with
+// a barrier.
+__device__ __forceinline__ void mv_prologue(const float* x, const float* nw, float eps, const i8* qs,
+                                            const float* ad, int k, int bla, i8* sq, float* sd, float* sx,
+                                            const float* nwv) {
+    __shared__ float s_inv;
+    const int nwarps = blockDim.x >> 5;
+    int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int nba = k / bla;
+    pdl_wait();
+    if (x) {
+        for (int i = threadIdx.x; i < k / 4; i += blockDim.x)
+            *(float4*)(sx + 4 * i) = __ldcg((const float4*)(x + 4 * i));
+    } else {
+        for (int i = threadIdx.x; i < k / 16; i += blockDim.x)
+            *(int4*)(sq + 16 * i) = __ldcg((const int4*)(qs + 16 * i));
+        for (int i = threadIdx.x; i < nba; i += blockDim.x) sd[i] = __ldcg(ad + i);
+        __syncthreads();
+        return;
+    }
+    __syncthreads();
+    float inv = 0.0f;
+    if (nw) {
+        if (wib == 0) {
+            float ss = row_sumsq(sx, k, lane);
+            float mean = __fdiv_rn(ss, (float)k);
+            float iv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+            if (lane == 0) s_inv = iv;
+        }
+        __syncthreads();
+        inv = s_inv;
+    }
+    for (int b = wib; b < nba; b += nwarps) {
+        const float* xb = sx + (size_t)b * bla;
+        float v[8];
+        u32 amax = 0;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = lane + 32 * u;
+            if (i < bla) {
+                float y = xb[i];
+                if (nw) y = __fmul_rn(__fmul_rn(y, inv), b == wib ? nwv[u] : nw[(size_t)b * bla + i]);
+                v[u] = y;
+                amax = max(amax, __float_as_uint(y) & 0x7fffffffu);
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        float a = __uint_as_float(amax);
+        float dd = __fdiv_rn(a, 127.0f);
+        float id = a == 0.0f ? 0.0f : __fdiv_rn(127.0f, a);
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = lane + 32 * u;
+            if (i < bla) {
+                float y = __fmul_rn(v[u], id);
+                y = y < 127.0f ? y : 127.0f;
+                y = y > -127.0f ? y : -127.0f;
+                sq[(size_t)b * bla + i] = (i8)(int)rintf(y);
+            }
+        }
+        if (lane == 0) sd[b] = dd;
+    }
+    __syncthreads();
+}
+
+// The codes of SEG consecutive values from e0 of block blk, four per word (codes4). For
+// Q4_K's 32-value segments (one sub-block: 32 contiguous bytes, one nibble of each) the
+// address and the nibble's shift are worked out once, not per word.
+template <int F, int SEG>
+__device__ __forceinline__ void lane_codes(const u8* blk, int e0, int* cw) {
+    if (F == F_Q4_K && SEG == 32) {
+        const u32* base = (const u32*)(blk + 16 + 32 * (e0 >> 6));
+        int sh = (e0 & 32) ? 4 : 0;
+#pragma unroll
+        for (int w4 = 0; w4 < SEG / 4; w4++) cw[w4] = (int)((base[w4] >> sh) & 0x0F0F0F0Fu);
+    } else {
+#pragma unroll
+        for (int w4 = 0; w4 < SEG / 4; w4++) cw[w4] = codes4<F>(blk, e0 + 4 * w4);
+    }
+}
+
+// block_step with the block's products and sums made beforehand: p = d * da, pm = m * da
+// (each rounded, as block_step rounds them), fi = (float)is, fm = (float)ms. The same bits
+// as block_step; lets the lane group that owns a block do the multiplications before its
+// values are broadcast.
+template <int F>
+__device__ __forceinline__ float block_step_pre(float acc, float p, float pm, float fi, float fm) {
+    acc = fmaf(p, fi, acc);
+    if (F == F_Q4_1 || F == F_Q5_1) {
+        acc = fmaf(pm, fm, acc);
+    } else if (F == F_Q2_K || F == F_Q4_K || F == F_Q5_K) {
+        acc = fmaf(-pm, fm, acc);
+    }
+    return acc;
+}
+
 // One staged unit of a lane group's row: cn blocks starting at block bbase, in block order,
 // into acc (acc2: the up row of a pair). The GL lanes of the group split each block's
 // values (exact integer sums, reduced inside the group), then every lane of the group runs
@@ -1684,8 +1804,7 @@ __device__ __forceinline__ void mv_rows(const u8* s0, const u8* s1, int cn, int 
                 int sc, mn;
                 sub_scale<F>(blk, e0 / SL, &sc, &mn);
                 int cw[SEG / 4];
-#pragma unroll
-                for (int w4 = 0; w4 < SEG / 4; w4++) cw[w4] = codes4<F>(blk, e0 + 4 * w4);
+                lane_codes<F, SEG>(blk, e0, cw);
                 const int* a4 = (const int*)(sq + (size_t)b * BL + e0);
                 int dot = 0, asum = 0;
 #pragma unroll
@@ -1742,8 +1861,7 @@ __device__ __forceinline__ void mv_unit(const u8* s0, const u8* s1, int cn, int 
                     int sc, mn;
                     sub_scale<F>(blk, e0 / SL, &sc, &mn);
                     int cw[SEG / 4];
-#pragma unroll
-                    for (int w4 = 0; w4 < SEG / 4; w4++) cw[w4] = codes4<F>(blk, e0 + 4 * w4);
+                    lane_codes<F, SEG>(blk, e0, cw);
                     const int* a4 = (const int*)(sq + (size_t)b * BL + e0);
                     int dot = 0, asum = 0;
 #pragma unroll
@@ -1769,14 +1887,22 @@ __device__ __forceinline__ void mv_unit(const u8* s0, const u8* s1, int cn, int 
                 if (valid) a = block_step<F>(a, d, mm, sd[b], isum, msum);
                 continue;
             }
+            // Each group's products and sums first, then the steps in block order.
+            float da = valid ? sd[b] : 0.0f;
+            float p = __fmul_rn(d, da), pm = __fmul_rn(mm, da);
+            float fi = (float)isum, fm = (float)msum;
 #pragma unroll
             for (int gg = 0; gg < G; gg++) {
                 int src = gg * GL;
-                float dg = __shfl_sync(0xffffffffu, d, src);
-                float mg = __shfl_sync(0xffffffffu, mm, src);
-                int is = __shfl_sync(0xffffffffu, isum, src);
-                int ms = __shfl_sync(0xffffffffu, msum, src);
-                if (q0 + gg < cn) a = block_step<F>(a, dg, mg, sd[b - g + gg], is, ms);
+                float pg = __shfl_sync(0xffffffffu, p, src);
+                float fig = __shfl_sync(0xffffffffu, fi, src);
+                float pmg = 0.0f, fmg = 0.0f;
+                if (MIN1 || MINK) {
+                    pmg = __shfl_sync(0xffffffffu, pm, src);
+                    fmg = __shfl_sync(0xffffffffu, fm, src);
+                }
+                float na = block_step_pre<F>(a, pg, pmg, fig, fmg);
+                a = q0 + gg < cn ? na : a;
             }
         }
     }
@@ -1790,7 +1916,6 @@ __device__ __forceinline__ void matvec_impl_b(const u8* w0, const u8* w1, const 
                                             const i8* qs, const float* ad, int k, int bla, int mode,
                                             int sb) {
     extern __shared__ __align__(16) u8 smem[];
-    __shared__ float s_inv;
     const int nwarps = blockDim.x >> 5;
     int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int unordered = (mode & 4) != 0;
@@ -1803,23 +1928,38 @@ __device__ __forceinline__ void matvec_impl_b(const u8* w0, const u8* w1, const 
     u8* ring = smem + sa + (size_t)wib * sb * 2 * (PAIR ? 2 : 1);
     int total = PAIR ? n0 : n0 + n1 + n2;
     int gw = blockIdx.x * nwarps + wib, GW = gridDim.x * nwarps;
-    // Row t of the launch: matrix, row inside it, format, blocks per unit, units per row.
-    auto locate = [&](int t, const u8*& w, int& f, int& j, int& cb, int& nu) {
-        if (PAIR || t < n0) { w = w0; f = f0; j = t; }
-        else if (t < n0 + n1) { w = w1; f = f1; j = t - n0; }
-        else { w = w2; f = f2; j = t - n0 - n1; }
-        int bb = fmt_bb(f);
-        cb = (sb - 32) / bb;
-        int nb = k / fmt_bl(f);
-        nu = (nb + cb - 1) / cb;
-        w += (size_t)j * nb * bb;
+    // Per matrix (up to three): format, blocks per row, bytes per block, blocks per unit and
+    // units per row, worked out once so that a unit's bookkeeping has no division (with one
+    // format, FA = FB, the format is a constant).
+    int fm[3], nbm[3], bbm[3], cbm[3], num[3];
+#pragma unroll
+    for (int i = 0; i < 3; i++) {
+        int f = FA == FB ? FA : (i == 0 ? f0 : (i == 1 ? f1 : f2));
+        fm[i] = f;
+        bbm[i] = fmt_bb(f);
+        nbm[i] = k / fmt_bl(f);
+        cbm[i] = (sb - 32) / bbm[i];
+        num[i] = (nbm[i] + cbm[i] - 1) / cbm[i];
+    }
+    const u8* wm[3] = {w0, w1, w2};
+    auto mat = [&](int t) { return (PAIR || t < n0) ? 0 : (t < n0 + n1 ? 1 : 2); };
+    // Row t of the launch: its weight row, row inside its matrix, format, blocks per unit,
+    // units per row, bytes per block and blocks per row.
+    auto locate = [&](int t, const u8*& w, int& f, int& j, int& cb, int& nu, int& bb, int& nb) {
+        int i = mat(t);
+        j = t - (i == 0 ? 0 : (i == 1 ? n0 : n0 + n1));
+        f = PICK(fm, i);
+        cb = PICK(cbm, i);
+        nu = PICK(num, i);
+        bb = PICK(bbm, i);
+        nb = PICK(nbm, i);
+        w = PICK(wm, i) + (size_t)j * nb * bb;
     };
     auto issue = [&](int t, int c, int slot) {
         if (t < total) {
             const u8* w;
-            int f, j, cb, nu;
-            locate(t, w, f, j, cb, nu);
-            int bb = fmt_bb(f), nb = k / fmt_bl(f);
+            int f, j, cb, nu, bb, nb;
+            locate(t, w, f, j, cb, nu, bb, nb);
             int c0 = c * cb, cn = min(cb, nb - c0);
             u8* dst = ring + (size_t)slot * sb * (PAIR ? 2 : 1);
             stage_issue(dst, w + (size_t)c0 * bb, cn * bb, lane);
@@ -1829,84 +1969,30 @@ __device__ __forceinline__ void matvec_impl_b(const u8* w0, const u8* w1, const 
     };
     auto next = [&](int& t, int& c) {
         if (t >= total) return;
-        const u8* w;
-        int f, j, cb, nu;
-        locate(t, w, f, j, cb, nu);
-        if (c + 1 < nu) c++;
+        if (c + 1 < PICK(num, mat(t))) c++;
         else { t += GW; c = 0; }
     };
-    // The first two weight units (weights only: before waiting for the kernel before),
-    // then the input row (f32, 16-byte aligned, k a multiple of 4) or its codes.
+    // The first two weight units and the norm weights (weights only: before waiting for the
+    // kernel before), then mv_prologue waits and makes the activation row (from the f32 row,
+    // 16-byte aligned with k a multiple of 4, or from its codes).
     pdl_trigger();
     int t = gw, c = 0;
     int t1 = t, c1 = c;
     next(t1, c1);
     issue(t, c, 0);
     issue(t1, c1, 1);
-    pdl_wait();
-    if (x) {
-        for (int i = threadIdx.x; i < k / 4; i += blockDim.x) cp_async16(sx + 4 * i, x + 4 * i);
-    } else {
-        for (int i = threadIdx.x; i < k / 16; i += blockDim.x) cp_async16(sq + 16 * i, qs + 16 * i);
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncthreads();
-    if (x) {
-        float inv = 0.0f;
-        if (nw) {
-            if (wib == 0) {
-                float ss = row_sumsq(sx, k, lane);
-                float mean = __fdiv_rn(ss, (float)k);
-                float iv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
-                if (lane == 0) s_inv = iv;
-            }
-            __syncthreads();
-            inv = s_inv;
-        }
-        for (int b = wib; b < nba; b += nwarps) {
-            const float* xb = sx + (size_t)b * bla;
-            float v[8];
-            u32 amax = 0;
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                int i = lane + 32 * u;
-                if (i < bla) {
-                    float y = xb[i];
-                    if (nw) y = __fmul_rn(__fmul_rn(y, inv), nw[(size_t)b * bla + i]);
-                    v[u] = y;
-                    amax = max(amax, __float_as_uint(y) & 0x7fffffffu);
-                }
-            }
-            for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            float a = __uint_as_float(amax);
-            float dd = __fdiv_rn(a, 127.0f);
-            float id = a == 0.0f ? 0.0f : __fdiv_rn(127.0f, a);
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                int i = lane + 32 * u;
-                if (i < bla) {
-                    float y = __fmul_rn(v[u], id);
-                    y = y < 127.0f ? y : 127.0f;
-                    y = y > -127.0f ? y : -127.0f;
-                    sq[(size_t)b * bla + i] = (i8)(int)rintf(y);
-                }
-            }
-            if (lane == 0) sd[b] = dd;
-        }
-    } else {
-        for (int i = threadIdx.x; i < nba; i += blockDim.x) sd[i] = ad[i];
-    }
-    __syncthreads();
+    // The norm weight of this warp's first activation block (a weight: read before the wait).
+    float nwv[8];
+    mv_norm_preload(nw, k, bla, nwv);
+    mv_prologue(x, nw, eps, qs, ad, k, bla, sq, sd, sx, nwv);
     float acc = 0.0f, acc2 = 0.0f;
     int slot = 0;
     while (t < total) {
         asm volatile("cp.async.wait_group 1;" ::: "memory");
         __syncwarp();
         const u8* w;
-        int f, j, cb, nu;
-        locate(t, w, f, j, cb, nu);
-        int bb = fmt_bb(f), nb = k / fmt_bl(f);
+        int f, j, cb, nu, bb, nb;
+        locate(t, w, f, j, cb, nu, bb, nb);
         int c0 = c * cb, cn = min(cb, nb - c0);
         const u8* src = w + (size_t)c0 * bb;
         int off = (int)((size_t)src & 15);
@@ -1958,8 +2044,6 @@ __device__ __forceinline__ void matvec_impl_b(const u8* w0, const u8* w1, const 
 // G consecutive rows of one matrix, cb blocks of each (rows longer than a unit take
 // several, in block order). Units go through a ring of two shared buffers per warp (G row
 // chunks of rs bytes each, twice for a gate/up pair).
-// Element i of a three-element array with constant indices only (no local memory).
-#define PICK(a, i) ((i) == 0 ? (a)[0] : ((i) == 1 ? (a)[1] : (a)[2]))
 
 template <int FA, int FB, int PAIR>
 __device__ __forceinline__ void matvec_impl(const u8* w0, const u8* w1, const u8* w2, int f0, int f1,
@@ -1969,7 +2053,6 @@ __device__ __forceinline__ void matvec_impl(const u8* w0, const u8* w1, const u8
                                             const i8* qs, const float* ad, int k, int bla, int mode,
                                             int rs) {
     extern __shared__ __align__(16) u8 smem[];
-    __shared__ float s_inv;
     const int nwarps = blockDim.x >> 5;
     const int GL = Meta<FA>::BL == 32 ? 4 : 8;  // FB has the same block length
     const int G = 32 / GL;
@@ -2028,69 +2111,19 @@ __device__ __forceinline__ void matvec_impl(const u8* w0, const u8* w1, const u8
         if (c + 1 < PICK(num, i)) c++;
         else { t += GW; c = 0; }
     };
-    // The first two weight units (weights only: before waiting for the kernel before),
-    // then the input row (f32, 16-byte aligned, k a multiple of 4) or its codes.
+    // The first two weight units and the norm weights (weights only: before waiting for the
+    // kernel before), then mv_prologue waits and makes the activation row (from the f32 row,
+    // 16-byte aligned with k a multiple of 4, or from its codes).
     pdl_trigger();
     int t = gw, c = 0;
     int t1 = t, c1 = c;
     next(t1, c1);
     issue(t, c, 0);
     issue(t1, c1, 1);
-    pdl_wait();
-    if (x) {
-        for (int i = threadIdx.x; i < k / 4; i += blockDim.x) cp_async16(sx + 4 * i, x + 4 * i);
-    } else {
-        for (int i = threadIdx.x; i < k / 16; i += blockDim.x) cp_async16(sq + 16 * i, qs + 16 * i);
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncthreads();
-    if (x) {
-        float inv = 0.0f;
-        if (nw) {
-            if (wib == 0) {
-                float ss = row_sumsq(sx, k, lane);
-                float mean = __fdiv_rn(ss, (float)k);
-                float iv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
-                if (lane == 0) s_inv = iv;
-            }
-            __syncthreads();
-            inv = s_inv;
-        }
-        for (int b = wib; b < nba; b += nwarps) {
-            const float* xb = sx + (size_t)b * bla;
-            float v[8];
-            u32 amax = 0;
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                int i = lane + 32 * u;
-                if (i < bla) {
-                    float y = xb[i];
-                    if (nw) y = __fmul_rn(__fmul_rn(y, inv), nw[(size_t)b * bla + i]);
-                    v[u] = y;
-                    amax = max(amax, __float_as_uint(y) & 0x7fffffffu);
-                }
-            }
-            for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            float a = __uint_as_float(amax);
-            float dd = __fdiv_rn(a, 127.0f);
-            float id = a == 0.0f ? 0.0f : __fdiv_rn(127.0f, a);
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                int i = lane + 32 * u;
-                if (i < bla) {
-                    float y = __fmul_rn(v[u], id);
-                    y = y < 127.0f ? y : 127.0f;
-                    y = y > -127.0f ? y : -127.0f;
-                    sq[(size_t)b * bla + i] = (i8)(int)rintf(y);
-                }
-            }
-            if (lane == 0) sd[b] = dd;
-        }
-    } else {
-        for (int i = threadIdx.x; i < nba; i += blockDim.x) sd[i] = ad[i];
-    }
-    __syncthreads();
+    // The norm weight of this warp's first activation block (a weight: read before the wait).
+    float nwv[8];
+    mv_norm_preload(nw, k, bla, nwv);
+    mv_prologue(x, nw, eps, qs, ad, k, bla, sq, sd, sx, nwv);
     float acc = 0.0f, acc2 = 0.0f;
     int slot = 0;
     while (t < total) {
@@ -2600,6 +2633,34 @@ extern "C" __global__ void attention(const float* q, const u16* kc, const u16* v
 // here: only V tiles are staged (two buffers, 2 * tk * head_dim u16 values), the tile's
 // scores copied beside them; every later phase is the same code, so the same bits.
 #define ATT_MAX_TK 256
+
+// The running max after each of a tile's nc <= 32 chunks and its rescale factor, in one warp
+// (chunk c in lane c), from the chunk maxima in s_m and the running max m before the tile
+// (held by every lane, updated to the max after the last chunk). The serial fold m_c =
+// (cm_c > m_{c-1} ? cm_c : m_{c-1}) keeps the earlier of equal values and never takes a NaN;
+// that operation is associative, so an inclusive scan of the chunk maxima (a NaN read as
+// -inf, which never wins either) folded into m gives every m_c with the fold's bits. Then
+// each lane's factor exp(m_{c-1} - m_c), NaN marking "unchanged", as the serial loop wrote.
+__device__ __forceinline__ void running_max_chunks(float* s_m, float* s_alpha, int nc, float& m, int wl) {
+    const float NEG_INF = __uint_as_float(0xff800000u);
+    float cm = wl < nc ? s_m[wl] : NEG_INF;
+    if (cm != cm) cm = NEG_INF;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        float y = __shfl_up_sync(0xffffffffu, cm, o);
+        if (wl >= o) cm = cm > y ? cm : y;
+    }
+    float m_new = cm > m ? cm : m;
+    float prev = __shfl_up_sync(0xffffffffu, m_new, 1);
+    if (wl == 0) prev = m;
+    int moved = m_new != prev;
+    float alpha = moved ? canon_exp(__fsub_rn(prev, m_new)) : __uint_as_float(0x7fc00000u);
+    if (wl < nc) {
+        s_m[wl] = m_new;
+        s_alpha[wl] = alpha;
+    }
+    m = __shfl_sync(0xffffffffu, m_new, nc - 1);
+}
 template <bool PRE>
 __device__ __forceinline__ void attention_tiled_impl(
     const float* q, const u16* kc, const u16* vc, float* out, const int* pos, const int* table_off,
@@ -2612,14 +2673,16 @@ __device__ __forceinline__ void attention_tiled_impl(
     __shared__ float s_alpha[ATT_MAX_TK / 16 + 1];
     __shared__ float s_l;
     pdl_trigger();
-    pdl_wait();
     int r = blockIdx.x / n_head, h = blockIdx.x % n_head;
     int kvh = h / (n_head / n_kv);
     int t = threadIdx.x;
     int warp = t >> 5, wl = t & 31;
+    // The step's positions and block tables are copied in before its first kernel, so they
+    // are read before the wait for the kernel before (which writes this row's K and V).
     int p = pos[r];
     const int* tab = tables + table_off[r];
     const float* srow = PRE ? scores + soff[r] + (size_t)h * (p + 1) : nullptr;
+    pdl_wait();
     size_t tile_elems = (size_t)tk * head_dim;
     // Queues tile ts's K and V rows (PRE: V rows and scores) into buffer slot, then closes a
     // copy group (an empty one past the last tile).
@@ -2643,7 +2706,7 @@ __device__ __forceinline__ void attention_tiled_impl(
     float acc[MAX_HEAD_DIM / ATT_THREADS];
 #pragma unroll
     for (int c = 0; c < MAX_HEAD_DIM / ATT_THREADS; c++) acc[c] = 0.0f;
-    float m = __uint_as_float(0xff800000u);  // -inf: the running max (thread 0's is used)
+    float m = __uint_as_float(0xff800000u);  // -inf: the running max (warp 0's is used)
     float l = 0.0f;                          // thread ATT_THREADS - 1's is used
     int slot = 0;
     for (int ts = 0; ts <= p; ts += tk) {
@@ -2694,18 +2757,7 @@ __device__ __forceinline__ void attention_tiled_impl(
             if (wl == 0) s_m[c] = cm;
         }
         __syncthreads();
-        if (t == 0) {
-            for (int c = 0; c < nc; c++) {
-                float cm = s_m[c];
-                float m_new = cm > m ? cm : m;
-                float alpha = 0.0f;
-                int moved = m_new != m;
-                if (moved) alpha = canon_exp(__fsub_rn(m, m_new));
-                m = m_new;
-                s_m[c] = m;
-                s_alpha[c] = moved ? alpha : __uint_as_float(0x7fc00000u);
-            }
-        }
+        if (warp == 0) running_max_chunks(s_m, s_alpha, nc, m, wl);
         __syncthreads();
         // 3. e[j] = exp(s[j] - m of j's chunk).
         for (int j = t; j < nk; j += ATT_THREADS) s_e[j] = canon_exp(__fsub_rn(s_e[j], s_m[j / bsz]));
