@@ -10,7 +10,7 @@
 use engine::{ForwardBackend, ForwardRow, KvSlot, ModelBackend};
 use gguf::{GgmlType, GgufFile};
 use lockstep_backend_cuda::synth::{TinyShape, tiny_spec, write_model};
-use lockstep_backend_cuda::{CudaModel, Device, MvStyle};
+use lockstep_backend_cuda::{CudaModel, Device, MvStyle, StepOptions};
 use quant::{Format, QuantizedActs, quantize_row};
 use std::sync::{Arc, OnceLock};
 
@@ -515,6 +515,52 @@ fn forward_matches_cpu_model_bit_for_bit() {
         let lg = run_chunks(&mut gpu, sg, 70, &more, 1);
         for (p, (a, b)) in lg.iter().zip(&lc).enumerate() {
             assert_bits_eq(&format!("{tag} decode position {}", 70 + p), a, b);
+        }
+    }
+}
+
+#[test]
+fn matvec_decode_through_graphs_matches_cpu() {
+    // Decode steps on the matvec kernels (each projection makes its activation row in its
+    // prologue; the step's kernels are chained by programmatic dependent launch and, after
+    // the first step, replayed from a captured graph) give the CPU model's bits in every
+    // layout. By default only layers of 16 MiB and more take the matvec kernels, so the
+    // other tests' tiny files never run them chained: a kernel that reads its input before
+    // `griddepcontrol.wait` passes the single-launch matvec test and must fail here.
+    let shape = TinyShape {
+        n_layer: 3,
+        n_embd: 1024,
+        n_ff: 2816,
+        n_head: 8,
+        n_head_kv: 2,
+        n_vocab: 320,
+        n_ctx: 512,
+    };
+    let spec = tiny_spec("qwen2", shape, GgmlType::Q4_K, Some(GgmlType::Q6_K));
+    let dir = std::env::temp_dir().join(format!("lockstep-cuda-oracle-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("matvec-chained.gguf");
+    write_model(&spec, 42, &path).unwrap();
+    let g = Arc::new(GgufFile::open(&path).unwrap());
+    let mut cpu = cpu_backend(&g);
+    let (prompt, more) = (tokens(40, 41), tokens(24, 42));
+    let sc = cpu.kv_new();
+    run_chunks(&mut cpu, sc, 0, &prompt, 40);
+    let want = run_chunks(&mut cpu, sc, 40, &more, 1);
+    for mode in [3, 1, 2] {
+        let mut gpu = cuda_backend(&g);
+        gpu.set_step_options(StepOptions::matvec_mode(mode));
+        let sg = gpu.kv_new();
+        run_chunks(&mut gpu, sg, 0, &prompt, 40);
+        let got = run_chunks(&mut gpu, sg, 40, &more, 1);
+        assert_eq!(got.len(), want.len());
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(b.iter().all(|v| v.is_finite()), "cpu logits finite");
+            assert_bits_eq(
+                &format!("matvec mode {mode}, decode position {}", 40 + i),
+                a,
+                b,
+            );
         }
     }
 }
