@@ -69,6 +69,13 @@ pub struct BenchArgs {
     #[arg(long = "constraint", conflicts_with = "spec")]
     pub constraint: bool,
 
+    /// Verify-cost bench instead: the time of one forward of M rows, as a speculative
+    /// verify block runs (every row's logits, after a context of the first -p tokens), for
+    /// M = 1 to 16, median of -r repetitions, and t(M)/t(1): what checking a draft of M − 1
+    /// tokens costs against one decode step (first -m, on --device; one -t on the CPU)
+    #[arg(long = "verify", conflicts_with_all = ["spec", "constraint", "agent", "serve"])]
+    pub verify: bool,
+
     /// Agent-workload bench instead: replays multi-turn agent sessions (a coding agent, a
     /// JSON tool-calling loop, a chat) through a plain and a speculating server side by
     /// side, checks the answers are identical, and reports speed-up, acceptance and
@@ -145,9 +152,10 @@ pub struct BenchArgs {
 
     /// Where the model runs: cpu (default), cuda, cuda:N or auto. Off the CPU the pp/tg tests
     /// go through the engine's backend on that device (one prefill in the engine's chunks;
-    /// decode steps each reading their logits back, as the engine's steps do) and
-    /// --threads and the bandwidth measurement do not apply; --spec (target and --draft),
-    /// --agent (both servers) and --serve load the model there too
+    /// decode steps as the engine's steps run them: the row summarized on the device where
+    /// the backend does that, else its logits read back) and --threads and the bandwidth
+    /// measurement do not apply; --spec (target and --draft), --agent (both servers),
+    /// --serve and --verify load the model there too
     #[arg(long = "device", value_name = "DEVICE", default_value_t = crate::device::DeviceArg::Cpu)]
     pub device: crate::device::DeviceArg,
 
@@ -306,6 +314,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             repetitions: args.repetitions,
         };
         return crate::grammar_bench::run(&gb, args.output == BenchOutput::Json, out);
+    }
+    if args.verify {
+        return run_verify(args, out);
     }
     if args.spec {
         let sb = crate::spec_bench::SpecBenchArgs {
@@ -610,6 +621,205 @@ fn run_device(args: &BenchArgs, tests: &[Test], out: &mut dyn Write) -> anyhow::
         }
     }
     Ok(())
+}
+
+/// Rows of the largest block `bench --verify` times.
+const VERIFY_MAX_ROWS: usize = 16;
+
+/// One block size of `bench --verify`.
+#[derive(Debug, Clone, Serialize)]
+struct VerifyResult {
+    model: String,
+    device: String,
+    /// Positions before the block.
+    context: usize,
+    /// Rows in the block (M).
+    rows: usize,
+    repetitions: u32,
+    /// Median time of one forward of the block, ms.
+    ms: f64,
+    /// `ms` over the median one-row time: t(M)/t(1).
+    ratio: f64,
+    samples_ms: Vec<f64>,
+}
+
+/// `lockstep bench --verify`: the verify-cost curve of the first model on `--device`. A
+/// context of the first `-p` tokens (512 by default) is prefilled once; then, `-r` times
+/// over M = 1..=16 in turn (so slow moments of a shared machine spread over every M), a
+/// block of M rows at the next positions with every row's logits — summarized on the
+/// device where the backend does that for M rows, as the engine's verify steps are — is
+/// timed and truncated away again. One untimed pass first (kernels loaded, graphs captured).
+fn run_verify(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    if args.threads.len() > 1 {
+        bail!("--verify measures one thread count: give at most one -t");
+    }
+    if args.threads.contains(&0) {
+        bail!("--threads must be at least 1");
+    }
+    let spec = args.first_model();
+    let context = args
+        .n_prompt
+        .iter()
+        .copied()
+        .find(|&n| n > 0)
+        .unwrap_or(512);
+    let path = load::resolve_model_path(&spec)?;
+    let name = load::display_name(&spec, &path);
+    let gguf = runtime::load::open_gguf(&path)?;
+    let needed = context + VERIFY_MAX_ROWS;
+    let n_ctx = runtime::load::context_length(&gguf, Some(needed))
+        .with_context(|| format!("{name}: the verify bench needs {needed} tokens"))?;
+    let margs = crate::args::ModelArgs {
+        model: spec.clone(),
+        threads: args
+            .threads
+            .first()
+            .map(|&t| u16::try_from(t))
+            .transpose()
+            .map_err(|_| anyhow::anyhow!("--threads: at most {}", u16::MAX))?,
+        ctx_size: Some(n_ctx),
+        kv_type: args.kv_type,
+        device: args.device,
+        prefill_chunk: args.prefill_chunk,
+    };
+    let loaded = crate::device::backend(&gguf, &margs, &name, None, &|n| {
+        n + backend_cpu::DEFAULT_BLOCK_SIZE
+    })?;
+    let device = loaded.device_name.clone();
+    let mut b = loaded.backend;
+    b.init_kv(n_ctx + backend_cpu::DEFAULT_BLOCK_SIZE)
+        .map_err(|e| anyhow::anyhow!("{name}: KV cache: {e}"))?;
+    let tokens = bench_tokens(n_ctx, loaded.n_vocab);
+    let tok = |p: usize| tokens.get(p).copied().unwrap_or(0);
+    let be = |e: engine::BackendError| anyhow::anyhow!("{name}: {e}");
+    let chunk = args
+        .prefill_chunk
+        .map_or_else(|| b.preferred_prefill_chunk(), |n| n as usize)
+        .max(1);
+    let slot = b.kv_new();
+    let mut logits = Vec::new();
+    let mut sums = Vec::new();
+    b.kv_prepare(slot, 0, context).map_err(be)?;
+    let mut start = 0;
+    while start < context {
+        let end = (start + chunk).min(context);
+        let rows: Vec<engine::ForwardRow> = (start..end)
+            .map(|pos| engine::ForwardRow {
+                slot,
+                token: tok(pos),
+                pos,
+                wants_logits: pos + 1 == context,
+            })
+            .collect();
+        b.forward(&rows, &mut logits).map_err(be)?;
+        start = end;
+    }
+    // Seconds of one block of `m` rows after the context, which is all the sequence keeps.
+    let mut block = |b: &mut dyn engine::ForwardBackend, m: usize| -> anyhow::Result<f64> {
+        b.kv_prepare(slot, context, context + m).map_err(be)?;
+        let rows: Vec<engine::ForwardRow> = (context..context + m)
+            .map(|pos| engine::ForwardRow {
+                slot,
+                token: tok(pos),
+                pos,
+                wants_logits: true,
+            })
+            .collect();
+        let t = Instant::now();
+        let r = if b.summarizes() && b.summary_min_rows() <= m {
+            b.forward_summaries(&rows, &mut sums)
+        } else {
+            b.forward(&rows, &mut logits)
+        };
+        let secs = t.elapsed().as_secs_f64();
+        b.kv_truncate(slot, context);
+        r.map_err(be)?;
+        Ok(secs)
+    };
+    for m in 1..=VERIFY_MAX_ROWS {
+        block(&mut *b, m)?;
+    }
+    let mut samples: Vec<Vec<f64>> = (0..VERIFY_MAX_ROWS)
+        .map(|_| Vec::with_capacity(args.repetitions as usize))
+        .collect();
+    for _ in 0..args.repetitions {
+        for (i, s) in samples.iter_mut().enumerate() {
+            s.push(block(&mut *b, i + 1)? * 1e3);
+        }
+    }
+    b.kv_release(slot);
+    let medians: Vec<f64> = samples.iter().map(|s| median(s)).collect();
+    let t1 = medians[0].max(1e-9);
+    let results: Vec<VerifyResult> = samples
+        .into_iter()
+        .zip(&medians)
+        .enumerate()
+        .map(|(i, (s, &ms))| VerifyResult {
+            model: name.clone(),
+            device: device.clone(),
+            context,
+            rows: i + 1,
+            repetitions: args.repetitions,
+            ms,
+            ratio: ms / t1,
+            samples_ms: s,
+        })
+        .collect();
+    match args.output {
+        BenchOutput::Md => {
+            writeln!(
+                out,
+                "verify cost of {name} on {device} after {context} tokens (median of {} \
+                 repetitions)\n\n| M | ms | t(M)/t(1) | ms per row |\n| -: | -: | -: | -: |",
+                args.repetitions
+            )?;
+            for r in &results {
+                writeln!(
+                    out,
+                    "| {} | {:.3} | {:.2} | {:.3} |",
+                    r.rows,
+                    r.ms,
+                    r.ratio,
+                    r.ms / r.rows as f64
+                )?;
+            }
+            writeln!(
+                out,
+                "\n- t(M)/t(1): what one verify block of M rows (a draft of M − 1 tokens) \
+                 costs against one decode step; drafting pays when a cycle's tokens \
+                 (accepted drafts + 1) exceed it."
+            )?;
+        }
+        BenchOutput::Csv => {
+            writeln!(out, "model,device,context,rows,repetitions,ms,ratio")?;
+            for r in &results {
+                writeln!(
+                    out,
+                    "{},{},{},{},{},{:.4},{:.4}",
+                    csv_field(&r.model),
+                    csv_field(&r.device),
+                    r.context,
+                    r.rows,
+                    r.repetitions,
+                    r.ms,
+                    r.ratio
+                )?;
+            }
+        }
+        BenchOutput::Json => writeln!(out, "{}", serde_json::to_string_pretty(&results)?)?,
+    }
+    Ok(())
+}
+
+/// The median of `v` (the mean of the middle two for an even count; 0 when empty).
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
 }
 
 /// Seconds one repetition of `test` takes through backend `b` (a fresh sequence, released

@@ -178,6 +178,47 @@ fn bench_on_cuda_without_a_usable_gpu_is_a_clear_error_and_prints_no_result() ->
     Ok(())
 }
 
+#[test]
+fn verify_bench_prints_the_cost_curve_of_blocks_of_1_to_16_rows() -> TestResult {
+    let path = hub::ensure_model("smollm2-135m")?;
+    let root = hub::cache_root()?;
+    let model = path.display().to_string();
+    let out = lockstep(
+        &root,
+        &[
+            "bench", "--verify", "-m", &model, "-p", "24", "-r", "2", "-t", "1", "-o", "json",
+        ],
+    )?;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: serde_json::Value = serde_json::from_str(&text(&out.stdout))?;
+    let rows = rows.as_array().ok_or("a JSON array")?;
+    assert_eq!(rows.len(), 16);
+    for (i, r) in rows.iter().enumerate() {
+        assert_eq!(r["rows"], i + 1);
+        assert_eq!(r["context"], 24);
+        assert_eq!(r["samples_ms"].as_array().map(Vec::len), Some(2));
+        let (ms, ratio) = (
+            r["ms"].as_f64().unwrap_or(0.0),
+            r["ratio"].as_f64().unwrap_or(0.0),
+        );
+        assert!(ms > 0.0 && ratio > 0.0, "{r}");
+        let t1 = rows[0]["ms"].as_f64().unwrap_or(0.0);
+        assert!((ratio - ms / t1).abs() < 1e-9, "{r}");
+    }
+    assert_eq!(rows[0]["ratio"], 1.0);
+    // The other benches' flags do not combine with it, and several thread counts are refused.
+    let out = lockstep(&root, &["bench", "--verify", "--spec", "-m", &model])?;
+    assert!(!out.status.success());
+    let out = lockstep(&root, &["bench", "--verify", "-m", &model, "-t", "1,2"])?;
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("one thread count"),
+        "{}",
+        text(&out.stderr)
+    );
+    Ok(())
+}
+
 // Built with `--features cuda` the same commands would measure on a GPU that is there.
 #[cfg(not(feature = "cuda"))]
 #[test]
