@@ -640,7 +640,36 @@ struct VerifyResult {
     ms: f64,
     /// `ms` over the median one-row time: t(M)/t(1).
     ratio: f64,
+    /// The per-token acceptance rate at which a draft of M − 1 tokens breaks even
+    /// ([`break_even_acceptance`]); `None` for M = 1 and where no rate does.
+    break_even_acceptance: Option<f64>,
     samples_ms: Vec<f64>,
+}
+
+/// The per-token acceptance rate a at which a verify block of `m` rows (a draft of m − 1
+/// tokens) yields as many tokens per cycle as it costs one-row steps (`ratio` = t(m)/t(1)),
+/// each draft token accepted with probability a if the ones before it were: a cycle then
+/// yields 1 + a + … + a^(m−1) tokens, which grows from 1 at a = 0 to m at a = 1. `None` for
+/// m = 1 and where even a = 1 does not pay (ratio > m); 0 where the block costs no more than
+/// one step.
+fn break_even_acceptance(m: usize, ratio: f64) -> Option<f64> {
+    if m <= 1 || !ratio.is_finite() || ratio > m as f64 {
+        return None;
+    }
+    if ratio <= 1.0 {
+        return Some(0.0);
+    }
+    let tokens = |a: f64| (0..m).map(|i| a.powi(i as i32)).sum::<f64>();
+    let (mut lo, mut hi) = (0.0f64, 1.0f64);
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if tokens(mid) < ratio {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(0.5 * (lo + hi))
 }
 
 /// `lockstep bench --verify`: the verify-cost curve of the first model on `--device`. A
@@ -762,6 +791,7 @@ fn run_verify(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             repetitions: args.repetitions,
             ms,
             ratio: ms / t1,
+            break_even_acceptance: break_even_acceptance(i + 1, ms / t1),
             samples_ms: s,
         })
         .collect();
@@ -770,13 +800,19 @@ fn run_verify(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             writeln!(
                 out,
                 "verify cost of {name} on {device} after {context} tokens (median of {} \
-                 repetitions)\n\n| M | ms | t(M)/t(1) | ms per row |\n| -: | -: | -: | -: |",
+                 repetitions)\n\n| M | ms | t(M)/t(1) | ms per row | break-even acceptance |\n\
+                 | -: | -: | -: | -: | -: |",
                 args.repetitions
             )?;
             for r in &results {
+                let be = match (r.rows, r.break_even_acceptance) {
+                    (1, _) => "-".to_string(),
+                    (_, Some(a)) => format!("{:.0}%", a * 100.0),
+                    (_, None) => "never".to_string(),
+                };
                 writeln!(
                     out,
-                    "| {} | {:.3} | {:.2} | {:.3} |",
+                    "| {} | {:.3} | {:.2} | {:.3} | {be} |",
                     r.rows,
                     r.ms,
                     r.ratio,
@@ -787,22 +823,29 @@ fn run_verify(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
                 out,
                 "\n- t(M)/t(1): what one verify block of M rows (a draft of M − 1 tokens) \
                  costs against one decode step; drafting pays when a cycle's tokens \
-                 (accepted drafts + 1) exceed it."
+                 (accepted drafts + 1) exceed it. Break-even acceptance: the rate at which \
+                 each draft token, its predecessors accepted, must be accepted for that \
+                 (1 + a + … + a^(M−1) tokens a cycle)."
             )?;
         }
         BenchOutput::Csv => {
-            writeln!(out, "model,device,context,rows,repetitions,ms,ratio")?;
+            writeln!(
+                out,
+                "model,device,context,rows,repetitions,ms,ratio,break_even_acceptance"
+            )?;
             for r in &results {
                 writeln!(
                     out,
-                    "{},{},{},{},{},{:.4},{:.4}",
+                    "{},{},{},{},{},{:.4},{:.4},{}",
                     csv_field(&r.model),
                     csv_field(&r.device),
                     r.context,
                     r.rows,
                     r.repetitions,
                     r.ms,
-                    r.ratio
+                    r.ratio,
+                    r.break_even_acceptance
+                        .map_or(String::new(), |a| format!("{a:.4}"))
                 )?;
             }
         }
@@ -1079,6 +1122,30 @@ impl<'m> Bencher<'m> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn break_even_acceptance_solves_the_geometric_cycle() {
+        // One row: nothing to draft. A block no dearer than a step pays at any rate.
+        assert_eq!(break_even_acceptance(1, 1.0), None);
+        assert_eq!(break_even_acceptance(4, 0.9), Some(0.0));
+        // Two rows at 1.5 steps: 1 + a = 1.5.
+        let a = break_even_acceptance(2, 1.5).unwrap();
+        assert!((a - 0.5).abs() < 1e-12, "{a}");
+        // Three rows at 1.75 steps: 1 + a + a² = 1.75, a = 0.5.
+        let a = break_even_acceptance(3, 1.75).unwrap();
+        assert!((a - 0.5).abs() < 1e-12, "{a}");
+        // Sixteen rows at 4.6 steps (a GPU's measured curve): the rate gives back 4.6 tokens.
+        let a = break_even_acceptance(16, 4.6).unwrap();
+        let tokens: f64 = (0..16).map(|i| a.powi(i)).sum();
+        assert!(
+            (tokens - 4.6).abs() < 1e-9 && a > 0.0 && a < 1.0,
+            "{a} {tokens}"
+        );
+        // Dearer than M steps: no acceptance pays; exactly M steps needs every token.
+        assert_eq!(break_even_acceptance(4, 4.5), None);
+        assert!((break_even_acceptance(4, 4.0).unwrap() - 1.0).abs() < 1e-12);
+        assert_eq!(break_even_acceptance(4, f64::NAN), None);
+    }
 
     #[test]
     fn mean_and_sample_stddev() {

@@ -206,6 +206,15 @@ fn verify_bench_prints_the_cost_curve_of_blocks_of_1_to_16_rows() -> TestResult 
         assert!((ratio - ms / t1).abs() < 1e-9, "{r}");
     }
     assert_eq!(rows[0]["ratio"], 1.0);
+    // One row drafts nothing: no break-even rate; a larger block has one in [0, 1] or none.
+    assert!(rows[0]["break_even_acceptance"].is_null());
+    for r in &rows[1..] {
+        let a = &r["break_even_acceptance"];
+        assert!(
+            a.is_null() || a.as_f64().is_some_and(|a| (0.0..=1.0).contains(&a)),
+            "{r}"
+        );
+    }
     // The other benches' flags do not combine with it, and several thread counts are refused.
     let out = lockstep(&root, &["bench", "--verify", "--spec", "-m", &model])?;
     assert!(!out.status.success());
