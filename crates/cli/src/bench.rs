@@ -71,8 +71,9 @@ pub struct BenchArgs {
 
     /// Verify-cost bench instead: the time of one forward of M rows, as a speculative
     /// verify block runs (every row's logits, after a context of the first -p tokens), for
-    /// M = 1 to 16, median of -r repetitions, and t(M)/t(1): what checking a draft of M − 1
-    /// tokens costs against one decode step (first -m, on --device; one -t on the CPU)
+    /// M = 1 to 16, median of -r repetitions, t(M)/t(1) (what checking a draft of M − 1
+    /// tokens costs against one decode step) and the per-token acceptance rate at which
+    /// that draft breaks even (first -m, on --device; one -t on the CPU)
     #[arg(long = "verify", conflicts_with_all = ["spec", "constraint", "agent", "serve"])]
     pub verify: bool,
 
