@@ -729,21 +729,7 @@ fn run_verify(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let slot = b.kv_new();
     let mut logits = Vec::new();
     let mut sums = Vec::new();
-    b.kv_prepare(slot, 0, context).map_err(be)?;
-    let mut start = 0;
-    while start < context {
-        let end = (start + chunk).min(context);
-        let rows: Vec<engine::ForwardRow> = (start..end)
-            .map(|pos| engine::ForwardRow {
-                slot,
-                token: tok(pos),
-                pos,
-                wants_logits: pos + 1 == context,
-            })
-            .collect();
-        b.forward(&rows, &mut logits).map_err(be)?;
-        start = end;
-    }
+    prefill_chunks(&mut *b, slot, &tokens, context, chunk)?;
     // Seconds of one block of `m` rows after the context, which is all the sequence keeps.
     let mut block = |b: &mut dyn engine::ForwardBackend, m: usize| -> anyhow::Result<f64> {
         b.kv_prepare(slot, context, context + m).map_err(be)?;
@@ -778,7 +764,10 @@ fn run_verify(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         }
     }
     b.kv_release(slot);
-    let medians: Vec<f64> = samples.iter().map(|s| median(s)).collect();
+    let medians: Vec<f64> = samples
+        .iter()
+        .map(|s| crate::grammar_bench::median(s))
+        .collect();
     let t1 = medians[0].max(1e-9);
     let results: Vec<VerifyResult> = samples
         .into_iter()
@@ -855,15 +844,34 @@ fn run_verify(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The median of `v` (the mean of the middle two for an even count; 0 when empty).
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+/// Prefills positions 0..n of `slot` with `tokens` (position p takes token p, 0 past the
+/// end) in forwards of at most `chunk` rows, the last row's logits asked for.
+fn prefill_chunks(
+    b: &mut dyn engine::ForwardBackend,
+    slot: engine::KvSlot,
+    tokens: &[u32],
+    n: usize,
+    chunk: usize,
+) -> anyhow::Result<()> {
+    let be = |e: engine::BackendError| anyhow::anyhow!("{e}");
+    let chunk = chunk.max(1);
+    let mut logits = Vec::new();
+    b.kv_prepare(slot, 0, n).map_err(be)?;
+    let mut start = 0;
+    while start < n {
+        let end = (start + chunk).min(n);
+        let rows: Vec<engine::ForwardRow> = (start..end)
+            .map(|pos| engine::ForwardRow {
+                slot,
+                token: tokens.get(pos).copied().unwrap_or(0),
+                pos,
+                wants_logits: pos + 1 == n,
+            })
+            .collect();
+        b.forward(&rows, &mut logits).map_err(be)?;
+        start = end;
     }
+    Ok(())
 }
 
 /// Seconds one repetition of `test` takes through backend `b` (a fresh sequence, released
@@ -876,28 +884,10 @@ fn device_run(
     chunk: usize,
 ) -> anyhow::Result<f64> {
     let be = |e: engine::BackendError| anyhow::anyhow!("{e}");
-    let chunk = chunk.max(1);
     let slot = b.kv_new();
-    let mut logits = Vec::new();
     let tok = |p: usize| tokens.get(p).copied().unwrap_or(0);
-    let mut prefill = |b: &mut dyn engine::ForwardBackend, n: usize| -> anyhow::Result<()> {
-        b.kv_prepare(slot, 0, n).map_err(be)?;
-        let mut start = 0;
-        while start < n {
-            let end = (start + chunk).min(n);
-            let rows: Vec<engine::ForwardRow> = (start..end)
-                .map(|pos| engine::ForwardRow {
-                    slot,
-                    token: tok(pos),
-                    pos,
-                    wants_logits: pos + 1 == n,
-                })
-                .collect();
-            b.forward(&rows, &mut logits).map_err(be)?;
-            start = end;
-        }
-        Ok(())
-    };
+    let prefill =
+        |b: &mut dyn engine::ForwardBackend, n: usize| prefill_chunks(b, slot, tokens, n, chunk);
     let r = match test {
         Test::Prompt(n) => {
             let t = Instant::now();

@@ -179,7 +179,8 @@ fn mean(v: &[f64]) -> f64 {
     }
 }
 
-fn median(v: &[f64]) -> f64 {
+/// The median of `v` (the mean of the middle two for an even count; 0 when empty).
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     match s.len() {
