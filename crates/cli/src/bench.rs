@@ -515,21 +515,7 @@ fn run_device(args: &BenchArgs, tests: &[Test], out: &mut dyn Write) -> anyhow::
         let needed = tests.iter().map(|t| t.context()).max().unwrap_or(1);
         let n_ctx = runtime::load::context_length(&gguf, Some(needed))
             .with_context(|| format!("{name}: the longest test needs {needed} tokens"))?;
-        let margs = crate::args::ModelArgs {
-            model: spec.clone(),
-            threads: None,
-            ctx_size: Some(n_ctx),
-            kv_type: args.kv_type,
-            device: args.device,
-            prefill_chunk: args.prefill_chunk,
-        };
-        let loaded = crate::device::backend(&gguf, &margs, &name, None, &|n| {
-            n + backend_cpu::DEFAULT_BLOCK_SIZE
-        })?;
-        let mut b = loaded.backend;
-        b.init_kv(n_ctx + backend_cpu::DEFAULT_BLOCK_SIZE)
-            .map_err(|e| anyhow::anyhow!("{name}: KV cache: {e}"))?;
-        let tokens = bench_tokens(n_ctx, loaded.n_vocab);
+        let (mut b, device_name, tokens) = bench_backend(args, spec, &name, &gguf, n_ctx, None)?;
         let size: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
         let per_token = decode_bytes_per_token(&gguf);
         // Warm-up: a short prefill and a few decode steps (kernels loaded, step graphs
@@ -557,7 +543,7 @@ fn run_device(args: &BenchArgs, tests: &[Test], out: &mut dyn Write) -> anyhow::
                 tokens_per_second: mean,
                 stddev,
                 samples_ts: samples,
-                kernels: loaded.device_name.clone(),
+                kernels: device_name.clone(),
                 kv_type: match KvType::from(args.kv_type) {
                     KvType::F16 => "f16",
                     KvType::F32 => "f32",
@@ -571,7 +557,7 @@ fn run_device(args: &BenchArgs, tests: &[Test], out: &mut dyn Write) -> anyhow::
                 notes.push(format!(
                     "{name} on {}, {}: reads {} of weights per token; {:.1} GB/s of weights at \
                      this speed (compare with the device's memory bandwidth)",
-                    loaded.device_name,
+                    device_name,
                     result.test,
                     human_size(per_token),
                     mean * per_token as f64 / 1e9
@@ -699,27 +685,13 @@ fn run_verify(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let needed = context + VERIFY_MAX_ROWS;
     let n_ctx = runtime::load::context_length(&gguf, Some(needed))
         .with_context(|| format!("{name}: the verify bench needs {needed} tokens"))?;
-    let margs = crate::args::ModelArgs {
-        model: spec.clone(),
-        threads: args
-            .threads
-            .first()
-            .map(|&t| u16::try_from(t))
-            .transpose()
-            .map_err(|_| anyhow::anyhow!("--threads: at most {}", u16::MAX))?,
-        ctx_size: Some(n_ctx),
-        kv_type: args.kv_type,
-        device: args.device,
-        prefill_chunk: args.prefill_chunk,
-    };
-    let loaded = crate::device::backend(&gguf, &margs, &name, None, &|n| {
-        n + backend_cpu::DEFAULT_BLOCK_SIZE
-    })?;
-    let device = loaded.device_name.clone();
-    let mut b = loaded.backend;
-    b.init_kv(n_ctx + backend_cpu::DEFAULT_BLOCK_SIZE)
-        .map_err(|e| anyhow::anyhow!("{name}: KV cache: {e}"))?;
-    let tokens = bench_tokens(n_ctx, loaded.n_vocab);
+    let threads = args
+        .threads
+        .first()
+        .map(|&t| u16::try_from(t))
+        .transpose()
+        .map_err(|_| anyhow::anyhow!("--threads: at most {}", u16::MAX))?;
+    let (mut b, device, tokens) = bench_backend(args, &spec, &name, &gguf, n_ctx, threads)?;
     let tok = |p: usize| tokens.get(p).copied().unwrap_or(0);
     let be = |e: engine::BackendError| anyhow::anyhow!("{name}: {e}");
     let chunk = args
@@ -842,6 +814,34 @@ fn run_verify(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         BenchOutput::Json => writeln!(out, "{}", serde_json::to_string_pretty(&results)?)?,
     }
     Ok(())
+}
+
+/// Model `spec` (`name`, opened as `gguf`) loaded through the engine's backend on
+/// `args.device` (`device::backend`, as `run` loads it) for a context of `n_ctx`, its KV
+/// cache made: the backend, the device's name and the bench's token sequence.
+fn bench_backend(
+    args: &BenchArgs,
+    spec: &str,
+    name: &str,
+    gguf: &Arc<gguf::GgufFile>,
+    n_ctx: usize,
+    threads: Option<u16>,
+) -> anyhow::Result<(Box<dyn engine::ForwardBackend>, String, Vec<u32>)> {
+    let margs = crate::args::ModelArgs {
+        model: spec.to_string(),
+        threads,
+        ctx_size: Some(n_ctx),
+        kv_type: args.kv_type,
+        device: args.device,
+        prefill_chunk: args.prefill_chunk,
+    };
+    let loaded = crate::device::backend(gguf, &margs, name, None, &|n| {
+        n + backend_cpu::DEFAULT_BLOCK_SIZE
+    })?;
+    let mut b = loaded.backend;
+    b.init_kv(n_ctx + backend_cpu::DEFAULT_BLOCK_SIZE)
+        .map_err(|e| anyhow::anyhow!("{name}: KV cache: {e}"))?;
+    Ok((b, loaded.device_name, bench_tokens(n_ctx, loaded.n_vocab)))
 }
 
 /// Prefills positions 0..n of `slot` with `tokens` (position p takes token p, 0 past the
