@@ -1662,33 +1662,28 @@ __device__ __forceinline__ int fmt_bb(int f) {
 // Element i of a three-element array with constant indices only (no local memory).
 #define PICK(a, i) ((i) == 0 ? (a)[0] : ((i) == 1 ? (a)[1] : (a)[2]))
 
-// The norm weight values a warp's first activation block needs (block b = warp index, value
-// lane + 32 u), loaded before the kernel waits for the one before it: weights, not its
-// output, so mv_prologue's norm needs no global load after the wait for its first block.
-__device__ __forceinline__ void mv_norm_preload(const float* nw, int k, int bla, float* nwv) {
-    int b = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-    for (int u = 0; u < 8; u++) {
-        int i = lane + 32 * u;
-        nwv[u] = nw && i < bla && b < k / bla ? nw[(size_t)b * bla + i] : 0.0f;
-    }
-}
-
-// The matvec prologue: waits for the kernel before (programmatic dependent launch), then
-// puts the activation row into shared memory as codes sq and block scales sd. From an f32 row x (optionally RMS-normalized with
-// weight nw first): the operations of norm_quant and quantize_acts, so every CTA gets the
-// bits those kernels write; the row is read with plain loads (not cp.async, whose groups
-// complete in order: waiting for the row would wait for the weight units issued before it),
-// so the norm and quantizer run while the weights are still arriving. Without x, the
-// pre-quantized codes qs and scales ad are copied. nwv: mv_norm_preload's values. Ends with
-// a barrier.
+// The matvec prologue, called once the first weight units are issued: loads the norm weight
+// values of the warp's first activation block (block = warp index; weights, not the kernel
+// before's output, so before the wait), waits for the kernel before (programmatic dependent
+// launch), then puts the activation row into shared memory as codes sq and block scales sd.
+// From an f32 row x (optionally RMS-normalized with weight nw first): the operations of
+// norm_quant and quantize_acts, so every CTA gets the bits those kernels write; the row is
+// read with plain loads (not cp.async, whose groups complete in order: waiting for the row
+// would wait for the weight units issued before it), so the norm and quantizer run while
+// the weights are still arriving. Without x, the pre-quantized codes qs and scales ad are
+// copied. Ends with a barrier.
 __device__ __forceinline__ void mv_prologue(const float* x, const float* nw, float eps, const i8* qs,
-                                            const float* ad, int k, int bla, i8* sq, float* sd, float* sx,
-                                            const float* nwv) {
+                                            const float* ad, int k, int bla, i8* sq, float* sd, float* sx) {
     __shared__ float s_inv;
     const int nwarps = blockDim.x >> 5;
     int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int nba = k / bla;
+    float nwv[8];
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        int i = lane + 32 * u;
+        nwv[u] = nw && i < bla && wib < nba ? nw[(size_t)wib * bla + i] : 0.0f;
+    }
     pdl_wait();
     if (x) {
         for (int i = threadIdx.x; i < k / 4; i += blockDim.x)
@@ -1981,10 +1976,7 @@ __device__ __forceinline__ void matvec_impl_b(const u8* w0, const u8* w1, const 
     next(t1, c1);
     issue(t, c, 0);
     issue(t1, c1, 1);
-    // The norm weight of this warp's first activation block (a weight: read before the wait).
-    float nwv[8];
-    mv_norm_preload(nw, k, bla, nwv);
-    mv_prologue(x, nw, eps, qs, ad, k, bla, sq, sd, sx, nwv);
+    mv_prologue(x, nw, eps, qs, ad, k, bla, sq, sd, sx);
     float acc = 0.0f, acc2 = 0.0f;
     int slot = 0;
     while (t < total) {
@@ -2120,10 +2112,7 @@ __device__ __forceinline__ void matvec_impl(const u8* w0, const u8* w1, const u8
     next(t1, c1);
     issue(t, c, 0);
     issue(t1, c1, 1);
-    // The norm weight of this warp's first activation block (a weight: read before the wait).
-    float nwv[8];
-    mv_norm_preload(nw, k, bla, nwv);
-    mv_prologue(x, nw, eps, qs, ad, k, bla, sq, sd, sx, nwv);
+    mv_prologue(x, nw, eps, qs, ad, k, bla, sq, sd, sx);
     float acc = 0.0f, acc2 = 0.0f;
     int slot = 0;
     while (t < total) {
