@@ -636,7 +636,9 @@ struct VerifyResult {
 /// The per-token acceptance rate a at which a verify block of `m` rows (a draft of m − 1
 /// tokens) yields as many tokens per cycle as it costs one-row steps (`ratio` = t(m)/t(1)),
 /// each draft token accepted with probability a if the ones before it were: a cycle then
-/// yields 1 + a + … + a^(m−1) tokens, which grows from 1 at a = 0 to m at a = 1. `None` for
+/// yields 1 + a + … + a^(m−1) tokens (the speculation cost model's count,
+/// `spec::expected_rate` at one unit of time), which grows from 1 at a = 0 to m at a = 1.
+/// `None` for
 /// m = 1 and where even a = 1 does not pay (ratio > m); 0 where the block costs no more than
 /// one step.
 fn break_even_acceptance(m: usize, ratio: f64) -> Option<f64> {
@@ -646,7 +648,7 @@ fn break_even_acceptance(m: usize, ratio: f64) -> Option<f64> {
     if ratio <= 1.0 {
         return Some(0.0);
     }
-    let tokens = |a: f64| (0..m).map(|i| a.powi(i as i32)).sum::<f64>();
+    let tokens = |a: f64| spec::expected_rate(a, m - 1, 1.0, 0.0, 0.0);
     let (mut lo, mut hi) = (0.0f64, 1.0f64);
     for _ in 0..60 {
         let mid = 0.5 * (lo + hi);
