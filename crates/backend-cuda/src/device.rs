@@ -167,6 +167,8 @@ const KERNELS: &[&str] = &[
     "attention",
     "attention_tiled",
     "attention_tiled_pre",
+    "attention_compact_64",
+    "attention_compact_128",
     "att_scores",
     "argmax_part",
     "argmax_rows",
@@ -203,6 +205,8 @@ const KERNELS: &[&str] = &[
 const LARGE_SMEM: &[&str] = &[
     "attention_tiled",
     "attention_tiled_pre",
+    "attention_compact_64",
+    "attention_compact_128",
     "att_scores",
     "mmqw_q4_k",
     "mmqw_q6_k",
@@ -243,6 +247,8 @@ const LARGE_SMEM: &[&str] = &[
 const PDL: &[&str] = &[
     "attention_tiled",
     "attention_tiled_pre",
+    "attention_compact_64",
+    "attention_compact_128",
     "att_scores",
     "rope_kv",
     "argmax_part",

@@ -96,6 +96,10 @@ pub struct StepOptions {
     /// Attention through the tiled kernel (K and V staged together, the next tile in
     /// flight) instead of the span kernel.
     pub attn_tiled: bool,
+    /// With `attn_tiled`: steps of up to 16 rows whose attention is not split take the
+    /// compact kernel (head dimension 64 or 128 fixed at compile time, 128 threads, three
+    /// barriers a tile) where the shape allows, instead of the general tiled kernel.
+    pub attn_compact: bool,
     /// Steps of many rows (prefill chunks) through the many-row attention kernel (a CTA per
     /// tile of rows and KV head) instead of a CTA per row and query head.
     pub attn_rows: bool,
@@ -143,6 +147,7 @@ impl StepOptions {
             layer_style,
             head_style,
             attn_tiled: true,
+            attn_compact: true,
             attn_rows: true,
             attn_split: true,
             attn_split_min_keys: ATT_SPLIT_MIN_KEYS,
@@ -151,8 +156,9 @@ impl StepOptions {
 
     /// The choice for `model`: matvec mode 3 when its layers hold at least
     /// `MATVEC_MIN_LAYER_BYTES` of weights each, else mode 0 (the general kernels), as
-    /// `LOCKSTEP_CUDA_MATVEC`, `LOCKSTEP_CUDA_ATT_TILED=0`, `LOCKSTEP_CUDA_ATT_ROWS=0`,
-    /// `LOCKSTEP_CUDA_ATT_SPLIT=0` and `LOCKSTEP_CUDA_ATT_SPLIT_MIN=KEYS` change it.
+    /// `LOCKSTEP_CUDA_MATVEC`, `LOCKSTEP_CUDA_ATT_TILED=0`, `LOCKSTEP_CUDA_ATT_COMPACT=0`,
+    /// `LOCKSTEP_CUDA_ATT_ROWS=0`, `LOCKSTEP_CUDA_ATT_SPLIT=0` and
+    /// `LOCKSTEP_CUDA_ATT_SPLIT_MIN=KEYS` change it.
     pub fn for_model(model: &CudaModel) -> StepOptions {
         let layers = model.cfg.n_layer.max(1);
         let per_layer = model.weight_bytes.saturating_sub(model.output.n_bytes()) / layers;
@@ -167,6 +173,7 @@ impl StepOptions {
             .unwrap_or(auto);
         let mut o = StepOptions::matvec_mode(mode);
         o.attn_tiled = std::env::var("LOCKSTEP_CUDA_ATT_TILED").map_or(true, |v| v != "0");
+        o.attn_compact = std::env::var("LOCKSTEP_CUDA_ATT_COMPACT").map_or(true, |v| v != "0");
         o.attn_rows = std::env::var("LOCKSTEP_CUDA_ATT_ROWS").map_or(true, |v| v != "0");
         o.attn_split = std::env::var("LOCKSTEP_CUDA_ATT_SPLIT").map_or(true, |v| v != "0");
         if let Some(n) = std::env::var("LOCKSTEP_CUDA_ATT_SPLIT_MIN")

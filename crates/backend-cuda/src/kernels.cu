@@ -12,7 +12,7 @@ typedef unsigned long long u64;
 
 // ---- numbers ------------------------------------------------------------------------
 
-__device__ __forceinline__ float f16_to_f32_soft(u16 h) {
+__device__ __noinline__ float f16_to_f32_soft(u16 h) {
     u32 sign = ((u32)(h & 0x8000)) << 16;
     u32 exp = (h >> 10) & 0x1f;
     u32 man = h & 0x03ff;
@@ -2819,6 +2819,191 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_tiled_pre(
     const int* soff) {
     attention_tiled_impl<true>(q, kc, vc, out, pos, table_off, tables, n_head, n_kv, head_dim, bsz, scale, tk,
                                scores, soff);
+}
+
+// stage_kv_tile for one of K or V (into dst from src), out of line: the compact kernel
+// stages four times in its code, and each inlined copy is a long unrolled loop.
+__device__ __noinline__ void stage_rows(u16* dst, const u16* src, const int* tab, int ts, int nk, int n_kv, int kvh,
+                                        int bsz, int head_dim, int t, int nt) {
+    stage_kv_tile(nullptr, dst, nullptr, src, tab, ts, nk, n_kv, kvh, bsz, head_dim, t, nt);
+}
+
+// Compact attention for steps of few rows (decode and verify blocks): the arithmetic of
+// `attention` (so the same bits), with the head dimension HD (64 or 128) fixed at compile
+// time, ATC_THREADS threads per (row, query head) CTA and three barriers per tile of `tk`
+// keys (whole KV blocks of a power-of-two bsz from 16 to tk; tk a multiple of bsz, at most
+// ATC_MAX_TK). K and V tiles are copied by cp.async into one of two (K, V) buffers, K and V
+// as separate groups, so the scores start while V still arrives and the next tile's
+// copies fly while this one is worked. Per tile:
+//   1. the scores: canon's 16-lane dot (lane L of a 16-thread group holds q[L + 16u] in
+//      registers) and tree16, four keys per group at a time (tree16_many), times scale;
+//   2. in every warp alike, so no thread waits for another: lane L's maximum of keys 4L ..
+//      4L + 3 (one chunk: bsz is a multiple of 4), the chunk maxima by a butterfly within
+//      each chunk's bsz / 4 lanes, the running max after each chunk and its rescale factor
+//      by running_max_chunks' scan, held in lane c for chunk c (a max is exact in any
+//      order; see `attention`); then warp w's exponentials of keys 32w .. 32w + 31;
+//   3. the chains in key order: every thread runs the running sum l (the same operations
+//      in the same order in each thread, so every thread holds the same l), thread i < HD
+//      the V accumulator of dimension i, chunk c rescaled by lane c's factor where the max
+//      moved.
+// Dynamic shared memory: two (K, V) tile buffers, 4 * tk * HD u16 values.
+#define ATC_THREADS 128
+#define ATC_MAX_TK 128
+template <int HD>
+__device__ __forceinline__ void attention_compact_impl(const float* q, const u16* kc, const u16* vc, float* out,
+                                                       const int* pos, const int* table_off, const int* tables,
+                                                       int n_head, int n_kv, int bsz, float scale, int tk) {
+    extern __shared__ __align__(16) u16 s_kv[];
+    __shared__ __align__(16) float s_s[ATC_MAX_TK];  // the tile's scores
+    __shared__ __align__(16) float s_x[ATC_MAX_TK];  // their exponentials
+    const float NEG_INF = __uint_as_float(0xff800000u);
+    const float QNAN = __uint_as_float(0x7fc00000u);
+    pdl_trigger();
+    int r = blockIdx.x / n_head, h = blockIdx.x % n_head;
+    int kvh = h / (n_head / n_kv);
+    int t = threadIdx.x, warp = t >> 5, wl = t & 31;
+    // Positions and block tables are copied in before the step's first kernel.
+    int p = pos[r];
+    const int* tab = tables + table_off[r];
+    int seg = bsz / 4;  // lanes per chunk in phase 2 (tk <= 128 keys over 32 lanes)
+    size_t tile_elems = (size_t)tk * HD;
+    // Queues tile ts's K rows, then its V rows, into buffer `slot`, as two copy groups (empty
+    // past the last tile, so every tile counts its groups alike).
+    auto issue = [&](int ts, int slot) {
+        u16* sk = s_kv + (size_t)slot * 2 * tile_elems;
+        int nk = min(tk, p + 1 - ts);
+        if (ts <= p) stage_rows(sk, kc, tab, ts, nk, n_kv, kvh, bsz, HD, t, ATC_THREADS);
+        cp_async_commit();
+        if (ts <= p) stage_rows(sk + tile_elems, vc, tab, ts, nk, n_kv, kvh, bsz, HD, t, ATC_THREADS);
+        cp_async_commit();
+    };
+    pdl_wait();
+    issue(0, 0);
+    constexpr int QE = HD / 16;  // elements of canon's dot per lane
+    const int lane16 = t & 15, grp = t >> 4;
+    constexpr int NG = ATC_THREADS / 16;
+    float qv[QE];
+    {
+        const float* qh = q + ((size_t)r * n_head + h) * HD;
+#pragma unroll
+        for (int e = 0; e < QE; e++) qv[e] = qh[lane16 + 16 * e];
+    }
+    float av = 0.0f;  // dimension t's accumulator (t < HD)
+    float l = 0.0f;   // the running sum, alike in every thread
+    float m = NEG_INF;
+    int slot = 0;
+    for (int ts = 0; ts <= p; ts += tk) {
+        int nk = min(tk, p + 1 - ts);
+        int nc = (nk + bsz - 1) / bsz;
+        asm volatile("cp.async.wait_group 1;" ::: "memory");  // this tile's K
+        __syncthreads();  // K visible; the last tile's reads of the other buffer are done
+        issue(ts + tk, slot ^ 1);
+        const u16* sk = s_kv + (size_t)slot * 2 * tile_elems;
+        const u16* sv = sk + tile_elems;
+        // 1. scores.
+        for (int j0 = 0; j0 < nk; j0 += 4 * NG) {
+            float part[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                int j = j0 + grp + u * NG;
+                float pa = 0.0f;
+                if (j < nk) {
+                    const u16* kr = sk + (size_t)j * HD + lane16;
+                    float kv[QE];
+#pragma unroll
+                    for (int e = 0; e < QE; e++) kv[e] = f16_to_f32(kr[16 * e]);
+#pragma unroll
+                    for (int e = 0; e < QE; e++) pa = fmaf(qv[e], kv[e], pa);
+                }
+                part[u] = pa;
+            }
+            // Lanes 4u .. 4u + 3 of a group hold key j0 + grp + u * NG's sum.
+            float sum = tree16_many<4>(part, lane16);
+            int j = j0 + grp + (lane16 >> 2) * NG;
+            if ((lane16 & 3) == 0 && j < nk) s_s[j] = __fmul_rn(sum, scale);
+        }
+        __syncthreads();
+        // 2. chunk maxima, the running max after each chunk with its factor, exponentials.
+        float m_c, alpha;
+        {
+            float cm = NEG_INF;
+            if (4 * wl < nk) {
+                float4 x4 = *(const float4*)&s_s[4 * wl];
+                float xs[4] = {x4.x, x4.y, x4.z, x4.w};
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+                    if (4 * wl + u < nk) cm = xs[u] > cm ? xs[u] : cm;
+            }
+            for (int o = 1; o < seg && o < 32; o <<= 1) {
+                float y = __shfl_xor_sync(0xffffffffu, cm, o);
+                cm = y > cm ? y : cm;
+            }
+            // Chunk wl's maximum into lane wl, then the scan of running_max_chunks.
+            float c = __shfl_sync(0xffffffffu, cm, (wl * seg) & 31);
+            if (wl >= nc) c = NEG_INF;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                float y = __shfl_up_sync(0xffffffffu, c, o);
+                if (wl >= o) c = c > y ? c : y;
+            }
+            m_c = c > m ? c : m;
+            float prev = __shfl_up_sync(0xffffffffu, m_c, 1);
+            if (wl == 0) prev = m;
+            alpha = m_c != prev ? canon_exp(__fsub_rn(prev, m_c)) : QNAN;
+            m = __shfl_sync(0xffffffffu, m_c, nc - 1);
+        }
+        {
+            int j = 32 * warp + wl;
+            float mj = __shfl_sync(0xffffffffu, m_c, min(j / bsz, 31));
+            if (j < nk) s_x[j] = canon_exp(__fsub_rn(s_s[j], mj));
+        }
+        asm volatile("cp.async.wait_group 2;" ::: "memory");  // this tile's V
+        __syncthreads();
+        // 3. the chains, chunk by chunk in key order.
+        if (warp < (HD + 31) / 32) {
+            for (int c = 0; c < nc; c++) {
+                float al = __shfl_sync(0xffffffffu, alpha, c);
+                if (al == al) {
+                    l = __fmul_rn(l, al);
+                    av = __fmul_rn(av, al);
+                }
+                int j = c * bsz, ke = min(j + bsz, nk);
+                for (; j + 8 <= ke; j += 8) {
+                    float4 ea = *(const float4*)&s_x[j];
+                    float4 eb = *(const float4*)&s_x[j + 4];
+                    float ev[8] = {ea.x, ea.y, ea.z, ea.w, eb.x, eb.y, eb.z, eb.w};
+                    float vv[8];
+#pragma unroll
+                    for (int u = 0; u < 8; u++) vv[u] = f16_to_f32(sv[(size_t)(j + u) * HD + t]);
+#pragma unroll
+                    for (int u = 0; u < 8; u++) {
+                        av = fmaf(ev[u], vv[u], av);
+                        l = __fadd_rn(l, ev[u]);
+                    }
+                }
+                for (; j < ke; j++) {
+                    float ev = s_x[j];
+                    av = fmaf(ev, f16_to_f32(sv[(size_t)j * HD + t]), av);
+                    l = __fadd_rn(l, ev);
+                }
+            }
+        }
+        slot ^= 1;
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    if (t < HD) out[((size_t)r * n_head + h) * HD + t] = __fmul_rn(av, __fdiv_rn(1.0f, l));
+}
+
+extern "C" __global__ void __launch_bounds__(ATC_THREADS) attention_compact_64(
+    const float* q, const u16* kc, const u16* vc, float* out, const int* pos, const int* table_off,
+    const int* tables, int n_head, int n_kv, int bsz, float scale, int tk) {
+    attention_compact_impl<64>(q, kc, vc, out, pos, table_off, tables, n_head, n_kv, bsz, scale, tk);
+}
+
+extern "C" __global__ void __launch_bounds__(ATC_THREADS) attention_compact_128(
+    const float* q, const u16* kc, const u16* vc, float* out, const int* pos, const int* table_off,
+    const int* tables, int n_head, int n_kv, int bsz, float scale, int tk) {
+    attention_compact_impl<128>(q, kc, vc, out, pos, table_off, tables, n_head, n_kv, bsz, scale, tk);
 }
 
 // The scores of decode attention, spread over the device (attention_tiled_pre takes them

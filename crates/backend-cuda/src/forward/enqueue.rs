@@ -401,7 +401,7 @@ fn enqueue_rows(
             m,
         )?;
         rope_kv(dev, model, kv, s, li, m)?;
-        attention(dev, model, kv, s, li, m, opts.attn_tiled, opts.attn_rows)?;
+        attention(dev, model, kv, s, li, m, opts)?;
         quantize_for(dev, &mut s.acts, cap, &[&l.wo], &s.attn, m)?;
         residual(dev, &s.acts, &l.wo, &s.attn, &mut s.x, &mut s.proj, m)?;
         // Feed-forward block: norm + quantize, gate and up with SwiGLU, down added to the
@@ -631,10 +631,47 @@ pub(super) fn attention_rows_kernel(
     ok.then_some((name, tk))
 }
 
+/// Threads per CTA of the compact attention kernel (`ATC_THREADS` in `kernels.cu`).
+const ATC_THREADS: u32 = 128;
+/// Most keys per tile of the compact attention kernel (`ATC_MAX_TK` in `kernels.cu`).
+const ATC_MAX_TK: usize = 128;
+
+/// The compact attention kernel and its keys per tile for a step of `m` rows, if it takes
+/// this shape: head dimension 64 or 128, KV blocks of a power of two from 16 to
+/// [`ATC_MAX_TK`] positions, at most [`GRAPH_MAX_ROWS`] rows. Tiles hold [`ATC_MAX_TK`]
+/// keys when every (row, query head) CTA has a multiprocessor to itself, else a third of
+/// the shared memory per CTA (several CTAs per multiprocessor); whole blocks either way.
+/// The tile size never changes a result.
+pub(super) fn attention_compact_kernel(
+    cfg: &Config,
+    bsz: usize,
+    m: usize,
+    sm_count: usize,
+    smem_limit: usize,
+) -> Option<(&'static str, usize)> {
+    let name = match cfg.head_dim {
+        64 => "attention_compact_64",
+        128 => "attention_compact_128",
+        _ => return None,
+    };
+    let budget = if m * cfg.n_head <= sm_count {
+        smem_limit
+    } else {
+        smem_limit / 3
+    };
+    let tk = (budget / (8 * cfg.head_dim)).min(ATC_MAX_TK) / bsz.max(1) * bsz;
+    let ok = m <= GRAPH_MAX_ROWS
+        && bsz.is_power_of_two()
+        && (16..=ATC_MAX_TK).contains(&bsz)
+        && tk >= bsz
+        && cfg.n_head_kv > 0
+        && cfg.n_head.is_multiple_of(cfg.n_head_kv);
+    ok.then_some((name, tk))
+}
+
 /// Attention of the step's rows over layer `li`'s cache into `s.attn`: the many-row
-/// kernel for prefill-sized steps (with `rows` on), else the tiled kernel, or with `tiled`
-/// off the span kernel (the same bits in every case).
-#[allow(clippy::too_many_arguments)]
+/// kernel for prefill-sized steps (with `attn_rows` on), else the split, compact or tiled
+/// kernel, or with `attn_tiled` off the span kernel (the same bits in every case).
 fn attention(
     dev: &Device,
     model: &CudaModel,
@@ -642,9 +679,9 @@ fn attention(
     s: &Scratch,
     li: usize,
     m: usize,
-    tiled: bool,
-    rows: bool,
+    opts: StepOptions,
 ) -> Result<(), CudaError> {
+    let (tiled, rows) = (opts.attn_tiled, opts.attn_rows);
     let cfg = &model.cfg;
     let hd = cfg.head_dim;
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
@@ -687,6 +724,7 @@ fn attention(
             &args,
         );
     }
+    let buffers_len = buffers.len();
     let mut args = buffers;
     args.extend([
         Arg::I32(cfg.n_head as i32),
@@ -737,6 +775,20 @@ fn attention(
             grid,
             (ATT_THREADS, 1, 1),
             u32::try_from(4 * tk * hd).unwrap_or(u32::MAX),
+            &args,
+        );
+    }
+    let compact = attention_compact_kernel(cfg, kv.bsz, m, dev.sm_count(), dev.smem_limit())
+        .filter(|_| opts.attn_compact);
+    if let Some((name, tk)) = compact {
+        // The tiled kernel's arguments but the head dimension (the kernel's own).
+        args.remove(buffers_len + 2);
+        args.push(Arg::I32(tk as i32));
+        return dev.launch_smem(
+            name,
+            grid,
+            (ATC_THREADS, 1, 1),
+            u32::try_from(4 * tk * hd * 2).unwrap_or(u32::MAX),
             &args,
         );
     }
@@ -814,7 +866,18 @@ fn enqueue_decode(
             )?;
         }
         rope_kv(dev, model, kv, s, li, 1)?;
-        attention(dev, model, kv, s, li, 1, opts.attn_tiled, false)?;
+        attention(
+            dev,
+            model,
+            kv,
+            s,
+            li,
+            1,
+            StepOptions {
+                attn_rows: false,
+                ..opts
+            },
+        )?;
         dev.matvec(
             &[(&l.wo, xp, None)],
             MvInput::Row(dev.ptr(&s.attn, 0), None),

@@ -724,6 +724,68 @@ fn many_row_attention_matches_cpu_over_head_shapes_and_batches() {
 }
 
 #[test]
+fn compact_attention_matches_cpu_over_head_shapes_and_tiles() {
+    // Decode steps and 16-row verify blocks take the compact attention kernel (head
+    // dimension 64 or 128, 128 keys a tile, or 64 when the step has more CTAs than the
+    // device has multiprocessors): contexts of one to three tiles, rows whose keys end
+    // inside a KV block, 1 to 8 query heads per KV head. The compact and the general tiled
+    // kernel must both give the CPU model's bits.
+    let shapes = [
+        (768, 6, 1, "compact-hd128-g6"),
+        (512, 4, 4, "compact-hd128-g1"),
+        (1152, 9, 3, "compact-hd128-g3-narrow-tiles"),
+        (512, 8, 1, "compact-hd64-g8"),
+        (448, 7, 1, "compact-hd64-g7"),
+    ];
+    for (n_embd, n_head, n_head_kv, tag) in shapes {
+        let shape = TinyShape {
+            n_layer: 2,
+            n_embd,
+            n_ff: 512,
+            n_head,
+            n_head_kv,
+            n_vocab: 320,
+            n_ctx: 512,
+        };
+        let spec = tiny_spec("qwen2", shape, GgmlType::Q8_0, Some(GgmlType::Q8_0));
+        let dir = std::env::temp_dir().join(format!("lockstep-cuda-oracle-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("{tag}.gguf"));
+        write_model(&spec, 42, &path).unwrap();
+        let g = Arc::new(GgufFile::open(&path).unwrap());
+        let toks = tokens(300, 51);
+        let mut cpu = cpu_backend(&g);
+        let sc = cpu.kv_new();
+        let mut want = run_chunks(&mut cpu, sc, 0, &toks[..100], 100);
+        // Decode rows at 100 .. 107 (one tile, keys ending inside a block), a verify block at
+        // 108 .. 123, then rows across the 128-key tile boundary and a block ending in the
+        // third tile.
+        want.extend(run_chunks(&mut cpu, sc, 100, &toks[100..108], 1));
+        want.extend(run_chunks(&mut cpu, sc, 108, &toks[108..124], 16));
+        want.extend(run_chunks(&mut cpu, sc, 124, &toks[124..131], 1));
+        want.extend(run_chunks(&mut cpu, sc, 131, &toks[131..261], 13));
+        for compact in [true, false] {
+            let mut gpu = cuda_backend(&g);
+            let mut o = gpu.step_options();
+            o.attn_compact = compact;
+            o.attn_split = false;
+            gpu.set_step_options(o);
+            let sg = gpu.kv_new();
+            let mut got = run_chunks(&mut gpu, sg, 0, &toks[..100], 100);
+            got.extend(run_chunks(&mut gpu, sg, 100, &toks[100..108], 1));
+            got.extend(run_chunks(&mut gpu, sg, 108, &toks[108..124], 16));
+            got.extend(run_chunks(&mut gpu, sg, 124, &toks[124..131], 1));
+            got.extend(run_chunks(&mut gpu, sg, 131, &toks[131..261], 13));
+            assert_eq!(got.len(), want.len());
+            for (p, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!(b.iter().all(|v| v.is_finite()), "{tag}: cpu logits finite");
+                assert_bits_eq(&format!("{tag} (compact {compact}) position {p}"), a, b);
+            }
+        }
+    }
+}
+
+#[test]
 fn attention_past_one_span_matches_cpu() {
     // The attention kernel scores 2048 keys per span; a context of 2,300 positions takes
     // two spans, with the running max, sum and accumulators carried across. Decode steps
