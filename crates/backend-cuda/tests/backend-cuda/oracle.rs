@@ -643,6 +643,26 @@ fn prefill_with_tensor_cores_matches_cpu_model_bit_for_bit() {
     }
 }
 
+/// A 2-layer qwen2 file in Q8_0 of width `n_embd` with `n_head` query and `n_head_kv` KV
+/// heads (the attention tests' head shapes).
+fn head_shape_model(n_embd: usize, n_head: usize, n_head_kv: usize, tag: &str) -> Arc<GgufFile> {
+    let shape = TinyShape {
+        n_layer: 2,
+        n_embd,
+        n_ff: 512,
+        n_head,
+        n_head_kv,
+        n_vocab: 320,
+        n_ctx: 512,
+    };
+    let spec = tiny_spec("qwen2", shape, GgmlType::Q8_0, Some(GgmlType::Q8_0));
+    let dir = std::env::temp_dir().join(format!("lockstep-cuda-oracle-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{tag}.gguf"));
+    write_model(&spec, 42, &path).unwrap();
+    Arc::new(GgufFile::open(&path).unwrap())
+}
+
 #[test]
 fn many_row_attention_matches_cpu_over_head_shapes_and_batches() {
     // Steps of more than 16 rows take the many-row attention kernel (a CTA per tile of up to
@@ -657,21 +677,7 @@ fn many_row_attention_matches_cpu_over_head_shapes_and_batches() {
         (512, 4, 4, "rows-hd128-g1"),
     ];
     for (n_embd, n_head, n_head_kv, tag) in shapes {
-        let shape = TinyShape {
-            n_layer: 2,
-            n_embd,
-            n_ff: 512,
-            n_head,
-            n_head_kv,
-            n_vocab: 320,
-            n_ctx: 512,
-        };
-        let spec = tiny_spec("qwen2", shape, GgmlType::Q8_0, Some(GgmlType::Q8_0));
-        let dir = std::env::temp_dir().join(format!("lockstep-cuda-oracle-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("{tag}.gguf"));
-        write_model(&spec, 42, &path).unwrap();
-        let g = Arc::new(GgufFile::open(&path).unwrap());
+        let g = head_shape_model(n_embd, n_head, n_head_kv, tag);
         let mut cpu = cpu_backend(&g);
         let (ta, tb, tc) = (tokens(150, 31), tokens(45, 32), tokens(38, 33));
         let (ca, cb, cc) = (cpu.kv_new(), cpu.kv_new(), cpu.kv_new());
@@ -738,21 +744,7 @@ fn compact_attention_matches_cpu_over_head_shapes_and_tiles() {
         (448, 7, 1, "compact-hd64-g7"),
     ];
     for (n_embd, n_head, n_head_kv, tag) in shapes {
-        let shape = TinyShape {
-            n_layer: 2,
-            n_embd,
-            n_ff: 512,
-            n_head,
-            n_head_kv,
-            n_vocab: 320,
-            n_ctx: 512,
-        };
-        let spec = tiny_spec("qwen2", shape, GgmlType::Q8_0, Some(GgmlType::Q8_0));
-        let dir = std::env::temp_dir().join(format!("lockstep-cuda-oracle-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("{tag}.gguf"));
-        write_model(&spec, 42, &path).unwrap();
-        let g = Arc::new(GgufFile::open(&path).unwrap());
+        let g = head_shape_model(n_embd, n_head, n_head_kv, tag);
         let toks = tokens(300, 51);
         let mut cpu = cpu_backend(&g);
         let sc = cpu.kv_new();
