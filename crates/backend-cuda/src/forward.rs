@@ -115,7 +115,9 @@ pub struct StepOptions {
 
 /// The default [`StepOptions::attn_split_min_keys`]. Measured on the H200 (2026-12-07,
 /// 1.5B shape, one decode step, split / one kernel): 0.82× at 64 keys, 0.98× at 512,
-/// 1.09× at 1,024, 1.22× at 2,048, 1.29× at 4,000.
+/// 1.09× at 1,024, 1.22× at 2,048, 1.29× at 4,000; against the compact kernel (H100,
+/// eleventh session, speed-up of the split): 0.78× at 64, 1.03× at 512, 1.17× at 1,024,
+/// 1.40× at 2,048, 1.58× at 4,000.
 pub const ATT_SPLIT_MIN_KEYS: usize = 1024;
 
 impl Default for StepOptions {
