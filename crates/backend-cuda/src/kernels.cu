@@ -43,6 +43,23 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     return f;
 }
 
+// N f16 values to f32 with f16_to_f32's bits: the hardware conversions first, then one
+// branch for the group (the software path for all N where any is a NaN, which is rare), so
+// the loads that feed a group are not serialized behind a branch each.
+template <int N>
+__device__ __forceinline__ void f16_to_f32_many(const u16 (&h)[N], float (&f)[N]) {
+    bool nan = false;
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f[i]) : "h"(h[i]));
+        nan |= f[i] != f[i];
+    }
+    if (nan) {
+#pragma unroll
+        for (int i = 0; i < N; i++) f[i] = f16_to_f32_soft(h[i]);
+    }
+}
+
 __device__ __forceinline__ u16 f32_to_f16(float x) {
     u32 b = __float_as_uint(x);
     u16 sign = (u16)((b >> 16) & 0x8000);
@@ -2902,20 +2919,24 @@ __device__ __forceinline__ void attention_compact_impl(const float* q, const u16
         const u16* sv = sk + tile_elems;
         // 1. scores.
         for (int j0 = 0; j0 < nk; j0 += 4 * NG) {
+            // The four keys' K elements are loaded together (a key past the tile reads the
+            // tile's last key and is dropped), then the dots.
+            u16 kh[4 * QE];
+            float kv[4 * QE];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const u16* kr = sk + (size_t)min(j0 + grp + u * NG, nk - 1) * HD + lane16;
+#pragma unroll
+                for (int e = 0; e < QE; e++) kh[u * QE + e] = kr[16 * e];
+            }
+            f16_to_f32_many(kh, kv);
             float part[4];
 #pragma unroll
             for (int u = 0; u < 4; u++) {
-                int j = j0 + grp + u * NG;
                 float pa = 0.0f;
-                if (j < nk) {
-                    const u16* kr = sk + (size_t)j * HD + lane16;
-                    float kv[QE];
 #pragma unroll
-                    for (int e = 0; e < QE; e++) kv[e] = f16_to_f32(kr[16 * e]);
-#pragma unroll
-                    for (int e = 0; e < QE; e++) pa = fmaf(qv[e], kv[e], pa);
-                }
-                part[u] = pa;
+                for (int e = 0; e < QE; e++) pa = fmaf(qv[e], kv[u * QE + e], pa);
+                part[u] = j0 + grp + u * NG < nk ? pa : 0.0f;
             }
             // Lanes 4u .. 4u + 3 of a group hold key j0 + grp + u * NG's sum.
             float sum = tree16_many<4>(part, lane16);
@@ -2972,9 +2993,11 @@ __device__ __forceinline__ void attention_compact_impl(const float* q, const u16
                     float4 ea = *(const float4*)&s_x[j];
                     float4 eb = *(const float4*)&s_x[j + 4];
                     float ev[8] = {ea.x, ea.y, ea.z, ea.w, eb.x, eb.y, eb.z, eb.w};
+                    u16 vh[8];
                     float vv[8];
 #pragma unroll
-                    for (int u = 0; u < 8; u++) vv[u] = f16_to_f32(sv[(size_t)(j + u) * HD + t]);
+                    for (int u = 0; u < 8; u++) vh[u] = sv[(size_t)(j + u) * HD + t];
+                    f16_to_f32_many(vh, vv);
 #pragma unroll
                     for (int u = 0; u < 8; u++) {
                         av = fmaf(ev[u], vv[u], av);
@@ -3160,14 +3183,17 @@ __device__ __forceinline__ void attention_rows_impl(
                 uint4 xk = *(const uint4*)(sk + 8 * (size_t)i);
                 uint4 xv = *(const uint4*)(sv + 8 * (size_t)i);
                 u32 wk[4] = {xk.x, xk.y, xk.z, xk.w}, wv[4] = {xv.x, xv.y, xv.z, xv.w};
+                u16 hk[8], hv[8];
                 float fk[8], fv[8];
 #pragma unroll
                 for (int u = 0; u < 4; u++) {
-                    fk[2 * u] = f16_to_f32((u16)(wk[u] & 0xffffu));
-                    fk[2 * u + 1] = f16_to_f32((u16)(wk[u] >> 16));
-                    fv[2 * u] = f16_to_f32((u16)(wv[u] & 0xffffu));
-                    fv[2 * u + 1] = f16_to_f32((u16)(wv[u] >> 16));
+                    hk[2 * u] = (u16)(wk[u] & 0xffffu);
+                    hk[2 * u + 1] = (u16)(wk[u] >> 16);
+                    hv[2 * u] = (u16)(wv[u] & 0xffffu);
+                    hv[2 * u + 1] = (u16)(wv[u] >> 16);
                 }
+                f16_to_f32_many(hk, fk);
+                f16_to_f32_many(hv, fv);
                 float4* dk = (float4*)(kf + (size_t)j * KS + c);
                 float4* dv = (float4*)(vf + (size_t)j * HD + c);
                 dk[0] = make_float4(fk[0], fk[1], fk[2], fk[3]);
