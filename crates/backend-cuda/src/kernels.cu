@@ -2596,11 +2596,13 @@ extern "C" __global__ void attention(const float* q, const u16* kc, const u16* v
                     int j = ks;
                     for (; j + 8 <= ke; j += 8) {
                         float ev[8], vv[8];
+                        u16 vh[8];
 #pragma unroll
                         for (int u = 0; u < 8; u++) {
                             ev[u] = s_e[j + u];
-                            vv[u] = f16_to_f32(sv[(j + u - ks) * head_dim + i]);
+                            vh[u] = sv[(j + u - ks) * head_dim + i];
                         }
+                        f16_to_f32_many(vh, vv);
 #pragma unroll
                         for (int u = 0; u < 8; u++) av = fmaf(ev[u], vv[u], av);
                     }
@@ -2795,11 +2797,13 @@ __device__ __forceinline__ void attention_tiled_impl(
                     int j = c * bsz, ke = min(j + bsz, nk);
                     for (; j + 8 <= ke; j += 8) {
                         float ev[8], vv[8];
+                        u16 vh[8];
 #pragma unroll
                         for (int u = 0; u < 8; u++) {
                             ev[u] = s_e[j + u];
-                            vv[u] = f16_to_f32(sv[(size_t)(j + u) * head_dim + i]);
+                            vh[u] = sv[(size_t)(j + u) * head_dim + i];
                         }
+                        f16_to_f32_many(vh, vv);
 #pragma unroll
                         for (int u = 0; u < 8; u++) av = fmaf(ev[u], vv[u], av);
                     }
