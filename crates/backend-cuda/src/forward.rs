@@ -82,7 +82,7 @@ pub const SUMMARY_MIN_ROWS: usize = 1;
 
 /// Which kernels a step runs on. Every choice computes the same bits; the older ones stay
 /// selectable to measure what each newer one buys (`cuda_bench --ab`), from the environment
-/// (`LOCKSTEP_CUDA_MATVEC=0|1|2|3`, `LOCKSTEP_CUDA_ATT_TILED=0`, `LOCKSTEP_CUDA_ATT_ROWS=0`) or
+/// (`LOCKSTEP_CUDA_MATVEC=0|1|2|3|4|5`, `LOCKSTEP_CUDA_ATT_TILED=0`, `LOCKSTEP_CUDA_ATT_ROWS=0`) or
 /// [`CudaBackend::set_step_options`]; [`StepOptions::for_model`] is the default.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepOptions {
@@ -136,12 +136,17 @@ const MATVEC_MIN_LAYER_BYTES: usize = 16 << 20;
 
 impl StepOptions {
     /// The matvec choice `mode` (as `LOCKSTEP_CUDA_MATVEC`): 0 the general kernels, 1 block-
-    /// parallel matvec throughout, 2 row-group matvec throughout, 3 (and anything else)
-    /// block-parallel for the layers and row groups for the output head; tiled attention.
+    /// parallel matvec throughout, 2 row-group matvec throughout, 4 tensor-core matvec
+    /// throughout, 5 tensor-core matvec for the layers and row groups for the output head,
+    /// 3 (and anything else) block-parallel for the layers and row groups for the output
+    /// head; tiled attention. The tensor-core kernels cover Q4_K and Q6_K matrices; others
+    /// take the block-parallel ones.
     pub fn matvec_mode(mode: u32) -> StepOptions {
         let (layer_style, head_style) = match mode {
             1 => (MvStyle::Blocks, MvStyle::Blocks),
             2 => (MvStyle::Rows, MvStyle::Rows),
+            4 => (MvStyle::Tensor, MvStyle::Tensor),
+            5 => (MvStyle::Tensor, MvStyle::Rows),
             _ => (MvStyle::Blocks, MvStyle::Rows),
         };
         StepOptions {

@@ -2202,6 +2202,296 @@ MATVEC(matvec_q6_k, F_Q6_K, F_Q6_K)
 MATVEC(matvec_q4_k_q6_k, F_Q4_K, F_Q6_K)
 MATVEC(matvec_q5_k_q6_k, F_Q5_K, F_Q6_K)
 
+// ---- matvec on tensor cores (Q4_K, Q6_K and their mix) ----------------------------------
+//
+// The arithmetic of matvec_impl (per output: acc = 0, then for each 256-value block in block
+// order the exact integer sums isum = sum_j sc_j * dot_j and msum = sum_j mn_j * asum_j, then
+// block_step), with the sub-block dot products dot_j of 16 weight rows at once from an int8
+// tensor-core step: the weights are the A operand (16 rows), the activation row the B operand,
+// the same row in all eight columns, so every lane's C fragment holds its two rows' dots
+// whatever its column. Q4_K: one m16n8k32 step per 32-value sub-block (its codes are the low
+// or high nibbles of 32 consecutive bytes); Q6_K: one m16n8k16 step per 16-value sub-block,
+// its codes + 32 (0..63) as unsigned bytes against the signed activation codes, and
+// sum_j sc_j * 32 * asum_j taken off after (an exact integer identity). Lane (g, t) (g =
+// lane / 4, t = lane % 4) holds rows g and g + 8 of the warp's 16; a unit is 16 consecutive
+// rows of one matrix, cb blocks of each, through the two-buffer ring of matvec_impl. The
+// prologue also sums the activation codes of each 16-value sub-block (asum, exact).
+#define TC_G 16
+
+// mma m16n8k32 (.s8 x .s8) and m16n8k16 (.u8 x .s8), C = 0, without `volatile` (no side
+// effects: the compiler may schedule them); fragments as mma_s8_32 and mma_s8_16.
+__device__ __forceinline__ void tc_mma_k32(int* d, int a0, int a1, int a2, int a3, int b0, int b1) {
+#if __CUDA_ARCH__ < 800
+    __trap();
+#else
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+#endif
+}
+__device__ __forceinline__ void tc_mma_u8_k16(int* d, int a0, int a1, int b0) {
+#if __CUDA_ARCH__ < 800
+    __trap();
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%7,%7,%7,%7};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+#endif
+}
+
+// Q4_K's eight 6-bit scales and mins of one block (scale_min_k4 for every j), packed a byte
+// each: s[0] the scales of sub-blocks 0..3, s[1] of 4..7, s[2] and s[3] the mins. Bytes
+// 4 .. 15 of the block, read as three words (Q4_K blocks sit 4-byte aligned here, as
+// codes4<F_Q4_K> assumes).
+__device__ __forceinline__ void tc_scales_q4k(const u8* b, u32* s) {
+    u32 w0 = *(const u32*)(b + 4), w1 = *(const u32*)(b + 8), w2 = *(const u32*)(b + 12);
+    s[0] = w0 & 0x3f3f3f3fu;
+    s[1] = (w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u);
+    s[2] = w1 & 0x3f3f3f3fu;
+    s[3] = ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u);
+}
+
+// One Q4_K block of rows g (bg) and g + 8 (bh) against the activation block qa (256 codes)
+// with its sub-block sums as16 (16 values each): the canonical step into ag and ah.
+__device__ __forceinline__ void tc_block_q4k(const u8* bg, const u8* bh, const i8* qa, const int* as16, int tq,
+                                             float da, float& ag, float& ah) {
+    const u32 M4 = 0x0f0f0f0fu;
+    u32 sg[4], sh[4];
+    tc_scales_q4k(bg, sg);
+    tc_scales_q4k(bh, sh);
+    int ig = 0, ih = 0, mg = 0, mh = 0;
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        // Sub-blocks 2p and 2p + 1: the low and high nibbles of code bytes 32p .. 32p + 31.
+        const u8* qg = bg + 16 + 32 * p + 4 * tq;
+        const u8* qh = bh + 16 + 32 * p + 4 * tq;
+        u32 wg0 = *(const u32*)qg, wg1 = *(const u32*)(qg + 16);
+        u32 wh0 = *(const u32*)qh, wh1 = *(const u32*)(qh + 16);
+        const i8* a = qa + 64 * p + 4 * tq;
+        int b00 = *(const int*)a, b01 = *(const int*)(a + 16);
+        int b10 = *(const int*)(a + 32), b11 = *(const int*)(a + 48);
+        int d[4];
+        tc_mma_k32(d, (int)(wg0 & M4), (int)(wh0 & M4), (int)(wg1 & M4), (int)(wh1 & M4), b00, b01);
+        ig += (int)((sg[p >> 1] >> (16 * (p & 1))) & 0xffu) * d[0];
+        ih += (int)((sh[p >> 1] >> (16 * (p & 1))) & 0xffu) * d[2];
+        tc_mma_k32(d, (int)((wg0 >> 4) & M4), (int)((wh0 >> 4) & M4), (int)((wg1 >> 4) & M4),
+                   (int)((wh1 >> 4) & M4), b10, b11);
+        ig += (int)((sg[p >> 1] >> (16 * (p & 1) + 8)) & 0xffu) * d[0];
+        ih += (int)((sh[p >> 1] >> (16 * (p & 1) + 8)) & 0xffu) * d[2];
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int a = as16[2 * j] + as16[2 * j + 1];
+        mg += (int)((sg[2 + (j >> 2)] >> (8 * (j & 3))) & 0xffu) * a;
+        mh += (int)((sh[2 + (j >> 2)] >> (8 * (j & 3))) & 0xffu) * a;
+    }
+    ag = block_step<F_Q4_K>(ag, ld_f16(bg), ld_f16(bg + 2), da, ig, mg);
+    ah = block_step<F_Q4_K>(ah, ld_f16(bh), ld_f16(bh + 2), da, ih, mh);
+}
+
+// Lane tq's code words of one Q6_K block (2-byte aligned): for sub-block j (16 values) the
+// four codes + 32 at values 4 tq .. 4 tq + 3, as code_at's layout (h = j / 8, quarter =
+// (j / 2) % 4, l = 16 (j % 2) + 4 tq): low bits from ql[64 h + 32 (quarter % 2) + l], nibble
+// quarter / 2; high bits from qh[32 h + l], bits 2 quarter and 2 quarter + 1.
+__device__ __forceinline__ void tc_codes_q6k(const u8* b, int tq, u32* c) {
+    u32 ql[2][2][2], qh[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int jo = 0; jo < 2; jo++) {
+            qh[h][jo] = ld_u32_2(b + 128 + 32 * h + 16 * jo + 4 * tq);
+#pragma unroll
+            for (int q1 = 0; q1 < 2; q1++) ql[h][q1][jo] = ld_u32_2(b + 64 * h + 32 * q1 + 16 * jo + 4 * tq);
+        }
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        int h = j >> 3, quarter = (j >> 1) & 3, jo = j & 1;
+        u32 lo = (ql[h][quarter & 1][jo] >> (4 * (quarter >> 1))) & 0x0f0f0f0fu;
+        u32 hi = ((qh[h][jo] >> (2 * quarter)) & 0x03030303u) << 4;
+        c[j] = lo | hi;
+    }
+}
+
+// One Q6_K block of rows g (bg) and g + 8 (bh): the canonical step into ag and ah.
+__device__ __forceinline__ void tc_block_q6k(const u8* bg, const u8* bh, const i8* qa, const int* as16, int tq,
+                                             float da, float& ag, float& ah) {
+    u32 cg[16], ch[16];
+    tc_codes_q6k(bg, tq, cg);
+    tc_codes_q6k(bh, tq, ch);
+    int ig = 0, ih = 0, og = 0, oh = 0;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        int bv = *(const int*)(qa + 16 * j + 4 * tq);
+        int d[4];
+        tc_mma_u8_k16(d, (int)cg[j], (int)ch[j], bv);
+        int scg = (int)(i8)bg[192 + j], sch = (int)(i8)bh[192 + j];
+        ig += scg * d[0];
+        ih += sch * d[2];
+        og += scg * as16[j];
+        oh += sch * as16[j];
+    }
+    ag = block_step<F_Q6_K>(ag, ld_f16(bg + 208), 0.0f, da, ig - 32 * og, 0);
+    ah = block_step<F_Q6_K>(ah, ld_f16(bh + 208), 0.0f, da, ih - 32 * oh, 0);
+}
+
+template <int F>
+__device__ __forceinline__ void tc_block(const u8* bg, const u8* bh, const i8* qa, const int* as16, int tq, float da,
+                                         float& ag, float& ah) {
+    if (F == F_Q4_K) tc_block_q4k(bg, bh, qa, as16, tq, da, ag, ah);
+    else tc_block_q6k(bg, bh, qa, as16, tq, da, ag, ah);
+}
+
+// The kernel body: arguments and launch modes as matvec_impl (bla = 256); rs is the bytes
+// staged per row and unit. Shared memory: codes (k), block scales (k / 256), with an f32
+// input row the row itself (k floats), the sub-block sums (k / 16 ints), then each warp's
+// ring of two units (16 row chunks of rs bytes, twice for a gate/up pair).
+template <int FA, int FB, int PAIR>
+__device__ __forceinline__ void matvec_impl_tc(const u8* w0, const u8* w1, const u8* w2, int f0, int f1, int f2,
+                                               int n0, int n1, int n2, float* o0, float* o1, float* o2,
+                                               const float* b0, const float* b1, const float* b2, const float* x,
+                                               const float* nw, float eps, const i8* qs, const float* ad, int k,
+                                               int bla, int mode, int rs) {
+    extern __shared__ __align__(16) u8 smem[];
+    const int nwarps = blockDim.x >> 5;
+    int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int g = lane >> 2, tq = lane & 3;
+    int acc_mode = mode & 3;
+    int nba = k / bla;
+    i8* sq = (i8*)smem;
+    float* sd = (float*)(smem + ((k + 15) & ~15));
+    float* sx = (float*)(smem + ((k + 15) & ~15) + ((nba * 4 + 15) & ~15));
+    int* s_as = (int*)(smem + ((k + 15) & ~15) + ((nba * 4 + 15) & ~15) + (x ? 4 * k : 0));
+    int sa = ((k + 15) & ~15) + ((nba * 4 + 15) & ~15) + (x ? 4 * k : 0) + ((k / 16 * 4 + 15) & ~15);
+    const int ub = TC_G * rs * (PAIR ? 2 : 1);
+    u8* ring = smem + sa + (size_t)wib * ub * 2;
+    int nm = PAIR ? 1 : (n2 > 0 ? 3 : (n1 > 0 ? 2 : 1));
+    int fm[3] = {f0, f1, f2}, nn[3] = {n0, n1, n2};
+    int nbm[3], rbm[3], cbm[3], num[3], ngm[3];
+#pragma unroll
+    for (int i = 0; i < 3; i++) {
+        int bb = fmt_bb(fm[i]);
+        nbm[i] = k / 256;
+        rbm[i] = nbm[i] * bb;
+        cbm[i] = (rs - 32) / bb;
+        num[i] = (nbm[i] + cbm[i] - 1) / cbm[i];
+        ngm[i] = i < nm ? (nn[i] + TC_G - 1) / TC_G : 0;
+    }
+    int total = ngm[0] + ngm[1] + ngm[2];
+    int gw = blockIdx.x * nwarps + wib, GW = gridDim.x * nwarps;
+    auto locate = [&](int t, int& i, int& j0) {
+        i = t < ngm[0] ? 0 : (t < ngm[0] + ngm[1] ? 1 : 2);
+        j0 = (t - (i == 0 ? 0 : (i == 1 ? ngm[0] : ngm[0] + ngm[1]))) * TC_G;
+    };
+    const u8* wm[3] = {w0, w1, w2};
+    auto issue = [&](int t, int c, int slot) {
+        if (t < total) {
+            int i, j0;
+            locate(t, i, j0);
+            int bb = fmt_bb(PICK(fm, i));
+            int c0 = c * PICK(cbm, i), cn = min(PICK(cbm, i), PICK(nbm, i) - c0);
+            u8* dst = ring + (size_t)slot * ub;
+            for (int r = 0; r < TC_G && j0 + r < PICK(nn, i); r++) {
+                size_t o = (size_t)(j0 + r) * PICK(rbm, i) + (size_t)c0 * bb;
+                stage_issue(dst + r * rs, PICK(wm, i) + o, cn * bb, lane);
+                if (PAIR) stage_issue(dst + (TC_G + r) * rs, w1 + o, cn * bb, lane);
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    auto next = [&](int& t, int& c) {
+        if (t >= total) return;
+        int i, j0;
+        locate(t, i, j0);
+        if (c + 1 < PICK(num, i)) c++;
+        else { t += GW; c = 0; }
+    };
+    pdl_trigger();
+    int t = gw, c = 0;
+    int t1 = t, c1 = c;
+    next(t1, c1);
+    issue(t, c, 0);
+    issue(t1, c1, 1);
+    mv_prologue(x, nw, eps, qs, ad, k, bla, sq, sd, sx);
+    for (int i = threadIdx.x; i < k / 16; i += blockDim.x) {
+        const int* a4 = (const int*)(sq + 16 * i);
+        int s = 0;
+#pragma unroll
+        for (int u = 0; u < 4; u++) s = __dp4a(a4[u], 0x01010101, s);
+        s_as[i] = s;
+    }
+    __syncthreads();
+    float ag = 0.0f, ah = 0.0f, ug = 0.0f, uh = 0.0f;
+    int slot = 0;
+    while (t < total) {
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncwarp();
+        int i, j0;
+        locate(t, i, j0);
+        int f = PICK(fm, i), bb = fmt_bb(f);
+        int n = PICK(nn, i);
+        int c0 = c * PICK(cbm, i), cn = min(PICK(cbm, i), PICK(nbm, i) - c0);
+        size_t rb = (size_t)PICK(rbm, i);
+        const u8* wb = PICK(wm, i);
+        size_t og = (size_t)min(j0 + g, n - 1) * rb + (size_t)c0 * bb;
+        size_t oh = (size_t)min(j0 + g + 8, n - 1) * rb + (size_t)c0 * bb;
+        const u8* u0 = ring + (size_t)slot * ub;
+        const u8* sg = u0 + g * rs + (int)((size_t)(wb + og) & 15);
+        const u8* sh = u0 + (g + 8) * rs + (int)((size_t)(wb + oh) & 15);
+        const u8* pg = u0 + (TC_G + g) * rs + (int)((size_t)(w1 + og) & 15);
+        const u8* ph = u0 + (TC_G + g + 8) * rs + (int)((size_t)(w1 + oh) & 15);
+        for (int bi = 0; bi < cn; bi++) {
+            int b = c0 + bi;
+            const i8* qa = sq + (size_t)b * 256;
+            const int* as16 = s_as + b * 16;
+            float da = sd[b];
+            if (FA == FB || f == FA) tc_block<FA>(sg + bi * bb, sh + bi * bb, qa, as16, tq, da, ag, ah);
+            else tc_block<FB>(sg + bi * bb, sh + bi * bb, qa, as16, tq, da, ag, ah);
+            if (PAIR) tc_block<FA>(pg + bi * bb, ph + bi * bb, qa, as16, tq, da, ug, uh);
+        }
+        if (c + 1 == PICK(num, i)) {
+            // Lane (g, 0) stores row g, lane (g, 1) row g + 8 (every lane of a row group holds
+            // both rows' sums).
+            int row = j0 + g + 8 * tq;
+            if (tq < 2 && row < n) {
+                float* out = i == 0 ? o0 : (i == 1 ? o1 : o2);
+                const float* bias = i == 0 ? b0 : (i == 1 ? b1 : b2);
+                float a = tq ? ah : ag;
+                float vv = a;
+                if (PAIR) {
+                    vv = __fmul_rn(canon_silu(a), tq ? uh : ug);
+                } else {
+                    if (bias) vv = __fadd_rn(vv, bias[row]);
+                    if (acc_mode == 1) vv = __fadd_rn(out[row], vv);
+                }
+                out[row] = vv;
+            }
+            ag = 0.0f;
+            ah = 0.0f;
+            ug = 0.0f;
+            uh = 0.0f;
+        }
+        __syncwarp();
+        int t2 = t1, c2 = c1;
+        next(t2, c2);
+        issue(t2, c2, slot);
+        t = t1; c = c1;
+        t1 = t2; c1 = c2;
+        slot ^= 1;
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+#define MATVEC_TC(name, FA, FB) \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS, 1) name(MATVEC_ARGS) { \
+        if ((mode & 3) == 2) matvec_impl_tc<FA, FB, 1>(MATVEC_PASS); \
+        else matvec_impl_tc<FA, FB, 0>(MATVEC_PASS); \
+    }
+MATVEC_TC(matvec_q4_k_tc, F_Q4_K, F_Q4_K)
+MATVEC_TC(matvec_q6_k_tc, F_Q6_K, F_Q6_K)
+MATVEC_TC(matvec_q4_k_q6_k_tc, F_Q4_K, F_Q6_K)
+
 // Float weights: one sequential fma chain over K per output (quant::scalar::dot). One
 // thread per (column, row). kind 0 = f32, 1 = f16, 2 = bf16.
 extern "C" __global__ void matmul_float(const u8* w, const float* x, float* out, int n, int k, int m, int kind) {

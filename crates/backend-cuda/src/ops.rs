@@ -136,7 +136,19 @@ pub enum MvStyle {
     /// One row per lane group, G rows per warp (`matvec_*_rows`): for matrices of many
     /// short rows (the output head).
     Rows,
+    /// Sixteen rows per warp, each sub-block's integer dot products by an int8 tensor-core
+    /// step (`matvec_*_tc`: Q4_K, Q6_K and the Q4_K/Q6_K mix, compute capability 8.0 and
+    /// newer with [`Device::mma`] on); other formats and devices take `Blocks`.
+    Tensor,
 }
+
+/// Kernels of [`MvStyle::Tensor`]: the block-parallel kernel's name with `_tc`.
+fn tensor_matvec(kernel: &str) -> bool {
+    matches!(kernel, "matvec_q4_k" | "matvec_q6_k" | "matvec_q4_k_q6_k")
+}
+
+/// Most bytes a [`MvStyle::Tensor`] unit stages per matrix (16 row chunks).
+const MV_TC_UNIT_BYTES: usize = 16384;
 
 /// The format code of `kernels.cu`'s `Fmt` (the GGML type id).
 fn fmt_code(f: Format) -> i32 {
@@ -647,17 +659,31 @@ impl Device {
                 "matvec input rows must be 16-byte aligned with k ({k}) a multiple of 16"
             )));
         }
-        let sa = k.div_ceil(16) * 16 + (k / bla * 4).div_ceil(16) * 16 + staged_row;
-        // Rows a warp works on at once (one, or one per lane group), the bytes staged per
-        // row and unit, and the warps the launch has work for.
+        let style = match style {
+            MvStyle::Tensor if !(tensor_matvec(kernel) && self.mma() && bla == 256) => {
+                MvStyle::Blocks
+            }
+            s => s,
+        };
+        // The tensor-core kernels also keep each 16-value sub-block's code sum.
+        let sums = if style == MvStyle::Tensor {
+            (k / 16 * 4).div_ceil(16) * 16
+        } else {
+            0
+        };
+        let sa = k.div_ceil(16) * 16 + (k / bla * 4).div_ceil(16) * 16 + staged_row + sums;
+        // Rows a warp works on at once (one, one per lane group, or sixteen), the bytes
+        // staged per row and unit, and the warps the launch has work for.
         let g = match style {
             MvStyle::Blocks => 1,
             MvStyle::Rows if bla == 32 => 8,
             MvStyle::Rows => 4,
+            MvStyle::Tensor => 16,
         };
         let row_cap = match style {
             MvStyle::Blocks => MV_STAGE_CAP,
             MvStyle::Rows => MV_UNIT_BYTES / g,
+            MvStyle::Tensor => MV_TC_UNIT_BYTES / g,
         } / if pair { 2 } else { 1 };
         let mut rs = 0;
         for &(x, _, _) in ws {
@@ -665,7 +691,7 @@ impl Device {
             let rb = (k / x.format.block_len()) * bb;
             let least = match style {
                 MvStyle::Blocks => inflight * bb + 32,
-                MvStyle::Rows => bb + 32,
+                MvStyle::Rows | MvStyle::Tensor => bb + 32,
             };
             let want = (rb.div_ceil(16) * 16 + 32)
                 .min(row_cap)
@@ -677,9 +703,12 @@ impl Device {
         } else {
             ws.iter().map(|x| x.0.n.div_ceil(g)).sum()
         };
-        // Warps per CTA: enough CTAs to reach every multiprocessor first, at most eight.
-        let warps = (work / self.sm_count()).clamp(1, MV_THREADS / 32);
-        let smem = sa + warps * 2 * g * rs * if pair { 2 } else { 1 };
+        // Warps per CTA: enough CTAs to reach every multiprocessor first, at most eight (and
+        // as many rings as shared memory holds).
+        let ring = 2 * g * rs * if pair { 2 } else { 1 };
+        let fit = (self.smem_limit().saturating_sub(sa) / ring).max(1);
+        let warps = (work / self.sm_count()).clamp(1, MV_THREADS / 32).min(fit);
+        let smem = sa + warps * ring;
         if smem > self.smem_limit() {
             return Err(CudaError::Shape(format!(
                 "matvec over rows of {k}: {smem} bytes of shared memory"
@@ -688,6 +717,7 @@ impl Device {
         let name = match style {
             MvStyle::Blocks => kernel.to_string(),
             MvStyle::Rows => format!("{kernel}_rows"),
+            MvStyle::Tensor => format!("{kernel}_tc"),
         };
         let threads = (warps * 32) as u32;
         let per_sm = self.occupancy(&name, threads, smem);

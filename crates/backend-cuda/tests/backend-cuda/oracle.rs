@@ -255,7 +255,7 @@ fn matvec_matches_cpu_bit_for_bit_over_formats_shapes_and_prologues() {
             let nw = randv(k, seed + 9, 1.5);
             for norm in [None, Some((&nw[..], 1e-6f32))] {
                 let want = cpu(format, &w, n, &x, norm);
-                for style in [MvStyle::Blocks, MvStyle::Rows] {
+                for style in [MvStyle::Blocks, MvStyle::Rows, MvStyle::Tensor] {
                     let gpu = d
                         .matvec_host(&[(format, &w, n)], k, &x, norm, style)
                         .unwrap();
@@ -282,7 +282,7 @@ fn matvec_matches_cpu_bit_for_bit_over_formats_shapes_and_prologues() {
         let mats: Vec<(Format, &[u8], usize)> = (0..3)
             .map(|i| (if i == 2 { fb } else { fa }, &ws[i][..], ns[i]))
             .collect();
-        for style in [MvStyle::Blocks, MvStyle::Rows] {
+        for style in [MvStyle::Blocks, MvStyle::Rows, MvStyle::Tensor] {
             let gpu = d
                 .matvec_host(&mats, k, &x, Some((&nw, 1e-6)), style)
                 .unwrap();
@@ -547,7 +547,7 @@ fn matvec_decode_through_graphs_matches_cpu() {
     let sc = cpu.kv_new();
     run_chunks(&mut cpu, sc, 0, &prompt, 40);
     let want = run_chunks(&mut cpu, sc, 40, &more, 1);
-    for mode in [3, 1, 2] {
+    for mode in [3, 1, 2, 4, 5] {
         let mut gpu = cuda_backend(&g);
         gpu.set_step_options(StepOptions::matvec_mode(mode));
         let sg = gpu.kv_new();
