@@ -75,6 +75,9 @@ pub struct Device {
     /// ([`Device::set_mma`]).
     mma: std::sync::atomic::AtomicBool,
     mmq_wide: std::sync::atomic::AtomicBool,
+    /// Whether matmuls of up to `TC_MAX_ROWS` rows of Q4_K / Q6_K take the tensor-core
+    /// matvec kernels ([`Device::set_tc_rows`]).
+    tc_rows: std::sync::atomic::AtomicBool,
     /// The fewest rows a matmul takes the tensor-core kernels for ([`Device::set_mma_min_rows`]).
     mma_min_rows: std::sync::atomic::AtomicUsize,
     profile: std::sync::Mutex<Option<Vec<(String, f64)>>>,
@@ -197,6 +200,9 @@ const KERNELS: &[&str] = &[
     "matvec_q4_k_tc",
     "matvec_q6_k_tc",
     "matvec_q4_k_q6_k_tc",
+    "matvec_q4_k_tc8",
+    "matvec_q6_k_tc8",
+    "matvec_q4_k_q6_k_tc8",
     "matvec_q5_k_q6_k",
     "matvec_q5_k_q6_k_rows",
     "summary_exp",
@@ -243,6 +249,9 @@ const LARGE_SMEM: &[&str] = &[
     "matvec_q4_k_tc",
     "matvec_q6_k_tc",
     "matvec_q4_k_q6_k_tc",
+    "matvec_q4_k_tc8",
+    "matvec_q6_k_tc8",
+    "matvec_q4_k_q6_k_tc8",
     "matvec_q5_k_q6_k",
     "matvec_q5_k_q6_k_rows",
 ];
@@ -286,6 +295,9 @@ const PDL: &[&str] = &[
     "matvec_q4_k_tc",
     "matvec_q6_k_tc",
     "matvec_q4_k_q6_k_tc",
+    "matvec_q4_k_tc8",
+    "matvec_q6_k_tc8",
+    "matvec_q4_k_q6_k_tc8",
     "matvec_q5_k_q6_k",
     "matvec_q5_k_q6_k_rows",
 ];
@@ -507,6 +519,9 @@ impl Device {
             mmq_wide: std::sync::atomic::AtomicBool::new(
                 std::env::var("LOCKSTEP_CUDA_MMQW").map_or(true, |v| v != "0"),
             ),
+            tc_rows: std::sync::atomic::AtomicBool::new(
+                std::env::var("LOCKSTEP_CUDA_TC_ROWS").is_ok_and(|v| v == "1"),
+            ),
             mma_min_rows: std::sync::atomic::AtomicUsize::new(
                 std::env::var("LOCKSTEP_CUDA_MMA_MIN_ROWS")
                     .ok()
@@ -584,6 +599,21 @@ impl Device {
     /// ([`Device::set_mma_min_rows`]).
     pub fn mma_min_rows(&self) -> usize {
         self.mma_min_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns the tensor-core matvec kernels on or off for matmuls of 1 to 8 rows of Q4_K
+    /// and Q6_K matrices (verify blocks, batched decode, decode on the general kernels):
+    /// sixteen weight rows a warp, all the rows' sub-block dot products from one int8
+    /// tensor-core step, each weight block read once. The same bits either way; off by
+    /// default (`LOCKSTEP_CUDA_TC_ROWS=1` turns it on). Only matters while
+    /// [`Device::mma`] is on.
+    pub fn set_tc_rows(&self, on: bool) {
+        self.tc_rows.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`Device::set_tc_rows`] is on.
+    pub fn tc_rows(&self) -> bool {
+        self.tc_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether the wide Q4_K tiles are on ([`Device::set_mmq_wide`]).

@@ -2253,15 +2253,18 @@ __device__ __forceinline__ void tc_scales_q4k(const u8* b, u32* s) {
     s[3] = ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u);
 }
 
-// One Q4_K block of rows g (bg) and g + 8 (bh) against the activation block qa (256 codes)
-// with its sub-block sums as16 (16 values each): the canonical step into ag and ah.
-__device__ __forceinline__ void tc_block_q4k(const u8* bg, const u8* bh, const i8* qa, const int* as16, int tq,
-                                             float da, float& ag, float& ah) {
+// One Q4_K block of rows g (bg) and g + 8 (bh) against the activation block of B row g (qa:
+// 256 codes; zero where !bok) with the sub-block sums (16 values each) of the lane's
+// activation rows r0 = 2 tq and r1 = 2 tq + 1 (a0s, a1s; with MR = 1 one row, in every
+// column): the canonical step into acc = {(r0, g), (r0, g + 8), (r1, g), (r1, g + 8)}.
+template <int MR>
+__device__ __forceinline__ void tc_block_q4k(const u8* bg, const u8* bh, const i8* qa, bool bok, const int* a0s,
+                                             const int* a1s, int tq, float da0, float da1, float* acc) {
     const u32 M4 = 0x0f0f0f0fu;
     u32 sg[4], sh[4];
     tc_scales_q4k(bg, sg);
     tc_scales_q4k(bh, sh);
-    int ig = 0, ih = 0, mg = 0, mh = 0;
+    int is[4] = {0, 0, 0, 0}, ms[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int p = 0; p < 4; p++) {
         // Sub-blocks 2p and 2p + 1: the low and high nibbles of code bytes 32p .. 32p + 31.
@@ -2270,25 +2273,49 @@ __device__ __forceinline__ void tc_block_q4k(const u8* bg, const u8* bh, const i
         u32 wg0 = *(const u32*)qg, wg1 = *(const u32*)(qg + 16);
         u32 wh0 = *(const u32*)qh, wh1 = *(const u32*)(qh + 16);
         const i8* a = qa + 64 * p + 4 * tq;
-        int b00 = *(const int*)a, b01 = *(const int*)(a + 16);
-        int b10 = *(const int*)(a + 32), b11 = *(const int*)(a + 48);
-        int d[4];
-        tc_mma_k32(d, (int)(wg0 & M4), (int)(wh0 & M4), (int)(wg1 & M4), (int)(wh1 & M4), b00, b01);
-        ig += (int)((sg[p >> 1] >> (16 * (p & 1))) & 0xffu) * d[0];
-        ih += (int)((sh[p >> 1] >> (16 * (p & 1))) & 0xffu) * d[2];
-        tc_mma_k32(d, (int)((wg0 >> 4) & M4), (int)((wh0 >> 4) & M4), (int)((wg1 >> 4) & M4),
-                   (int)((wh1 >> 4) & M4), b10, b11);
-        ig += (int)((sg[p >> 1] >> (16 * (p & 1) + 8)) & 0xffu) * d[0];
-        ih += (int)((sh[p >> 1] >> (16 * (p & 1) + 8)) & 0xffu) * d[2];
+        int b00 = 0, b01 = 0, b10 = 0, b11 = 0;
+        if (MR == 1 || bok) {
+            b00 = *(const int*)a;
+            b01 = *(const int*)(a + 16);
+            b10 = *(const int*)(a + 32);
+            b11 = *(const int*)(a + 48);
+        }
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++) {
+            int sh4 = 4 * hi;
+            int d[4];
+            tc_mma_k32(d, (int)((wg0 >> sh4) & M4), (int)((wh0 >> sh4) & M4), (int)((wg1 >> sh4) & M4),
+                       (int)((wh1 >> sh4) & M4), hi ? b10 : b00, hi ? b11 : b01);
+            int sc_g = (int)((sg[p >> 1] >> (16 * (p & 1) + 8 * hi)) & 0xffu);
+            int sc_h = (int)((sh[p >> 1] >> (16 * (p & 1) + 8 * hi)) & 0xffu);
+            is[0] += sc_g * d[0];
+            is[1] += sc_h * d[2];
+            if (MR > 1) {
+                is[2] += sc_g * d[1];
+                is[3] += sc_h * d[3];
+            }
+        }
     }
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-        int a = as16[2 * j] + as16[2 * j + 1];
-        mg += (int)((sg[2 + (j >> 2)] >> (8 * (j & 3))) & 0xffu) * a;
-        mh += (int)((sh[2 + (j >> 2)] >> (8 * (j & 3))) & 0xffu) * a;
+        int mn_g = (int)((sg[2 + (j >> 2)] >> (8 * (j & 3))) & 0xffu);
+        int mn_h = (int)((sh[2 + (j >> 2)] >> (8 * (j & 3))) & 0xffu);
+        int a0 = a0s[2 * j] + a0s[2 * j + 1];
+        ms[0] += mn_g * a0;
+        ms[1] += mn_h * a0;
+        if (MR > 1) {
+            int a1 = a1s[2 * j] + a1s[2 * j + 1];
+            ms[2] += mn_g * a1;
+            ms[3] += mn_h * a1;
+        }
     }
-    ag = block_step<F_Q4_K>(ag, ld_f16(bg), ld_f16(bg + 2), da, ig, mg);
-    ah = block_step<F_Q4_K>(ah, ld_f16(bh), ld_f16(bh + 2), da, ih, mh);
+    float dg = ld_f16(bg), mg = ld_f16(bg + 2), dh = ld_f16(bh), mh = ld_f16(bh + 2);
+    acc[0] = block_step<F_Q4_K>(acc[0], dg, mg, da0, is[0], ms[0]);
+    acc[1] = block_step<F_Q4_K>(acc[1], dh, mh, da0, is[1], ms[1]);
+    if (MR > 1) {
+        acc[2] = block_step<F_Q4_K>(acc[2], dg, mg, da1, is[2], ms[2]);
+        acc[3] = block_step<F_Q4_K>(acc[3], dh, mh, da1, is[3], ms[3]);
+    }
 }
 
 // Lane tq's code words of one Q6_K block (2-byte aligned): for sub-block j (16 values) the
@@ -2314,40 +2341,55 @@ __device__ __forceinline__ void tc_codes_q6k(const u8* b, int tq, u32* c) {
     }
 }
 
-// One Q6_K block of rows g (bg) and g + 8 (bh): the canonical step into ag and ah.
-__device__ __forceinline__ void tc_block_q6k(const u8* bg, const u8* bh, const i8* qa, const int* as16, int tq,
-                                             float da, float& ag, float& ah) {
+// One Q6_K block of rows g (bg) and g + 8 (bh), operands as tc_block_q4k.
+template <int MR>
+__device__ __forceinline__ void tc_block_q6k(const u8* bg, const u8* bh, const i8* qa, bool bok, const int* a0s,
+                                             const int* a1s, int tq, float da0, float da1, float* acc) {
     u32 cg[16], ch[16];
     tc_codes_q6k(bg, tq, cg);
     tc_codes_q6k(bh, tq, ch);
-    int ig = 0, ih = 0, og = 0, oh = 0;
+    int is[4] = {0, 0, 0, 0}, os[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int j = 0; j < 16; j++) {
-        int bv = *(const int*)(qa + 16 * j + 4 * tq);
+        int bv = (MR == 1 || bok) ? *(const int*)(qa + 16 * j + 4 * tq) : 0;
         int d[4];
         tc_mma_u8_k16(d, (int)cg[j], (int)ch[j], bv);
-        int scg = (int)(i8)bg[192 + j], sch = (int)(i8)bh[192 + j];
-        ig += scg * d[0];
-        ih += sch * d[2];
-        og += scg * as16[j];
-        oh += sch * as16[j];
+        int sc_g = (int)(i8)bg[192 + j], sc_h = (int)(i8)bh[192 + j];
+        is[0] += sc_g * d[0];
+        is[1] += sc_h * d[2];
+        os[0] += sc_g * a0s[j];
+        os[1] += sc_h * a0s[j];
+        if (MR > 1) {
+            is[2] += sc_g * d[1];
+            is[3] += sc_h * d[3];
+            os[2] += sc_g * a1s[j];
+            os[3] += sc_h * a1s[j];
+        }
     }
-    ag = block_step<F_Q6_K>(ag, ld_f16(bg + 208), 0.0f, da, ig - 32 * og, 0);
-    ah = block_step<F_Q6_K>(ah, ld_f16(bh + 208), 0.0f, da, ih - 32 * oh, 0);
+    float dg = ld_f16(bg + 208), dh = ld_f16(bh + 208);
+    acc[0] = block_step<F_Q6_K>(acc[0], dg, 0.0f, da0, is[0] - 32 * os[0], 0);
+    acc[1] = block_step<F_Q6_K>(acc[1], dh, 0.0f, da0, is[1] - 32 * os[1], 0);
+    if (MR > 1) {
+        acc[2] = block_step<F_Q6_K>(acc[2], dg, 0.0f, da1, is[2] - 32 * os[2], 0);
+        acc[3] = block_step<F_Q6_K>(acc[3], dh, 0.0f, da1, is[3] - 32 * os[3], 0);
+    }
 }
 
-template <int F>
-__device__ __forceinline__ void tc_block(const u8* bg, const u8* bh, const i8* qa, const int* as16, int tq, float da,
-                                         float& ag, float& ah) {
-    if (F == F_Q4_K) tc_block_q4k(bg, bh, qa, as16, tq, da, ag, ah);
-    else tc_block_q6k(bg, bh, qa, as16, tq, da, ag, ah);
+template <int F, int MR>
+__device__ __forceinline__ void tc_block(const u8* bg, const u8* bh, const i8* qa, bool bok, const int* a0s,
+                                         const int* a1s, int tq, float da0, float da1, float* acc) {
+    if (F == F_Q4_K) tc_block_q4k<MR>(bg, bh, qa, bok, a0s, a1s, tq, da0, da1, acc);
+    else tc_block_q6k<MR>(bg, bh, qa, bok, a0s, a1s, tq, da0, da1, acc);
 }
 
 // The kernel body: arguments and launch modes as matvec_impl (bla = 256); rs is the bytes
-// staged per row and unit. Shared memory: codes (k), block scales (k / 256), with an f32
-// input row the row itself (k floats), the sub-block sums (k / 16 ints), then each warp's
-// ring of two units (16 row chunks of rs bytes, twice for a gate/up pair).
-template <int FA, int FB, int PAIR>
+// staged per row and unit. MR = 1: one activation row (an f32 row normalized and quantized
+// in the prologue, or its codes), in every B column. MR = 8: m = mode >> 8 rows (1 to 8) of
+// codes and scales, row r in B column r, outputs out[r * n + j]. Shared memory: codes (m rows
+// of k), block scales (m rows of k / 256), with an f32 input row the row itself (k floats),
+// the sub-block sums (m rows of k / 16 ints), then each warp's ring of two units (16 row
+// chunks of rs bytes, twice for a gate/up pair).
+template <int FA, int FB, int PAIR, int MR>
 __device__ __forceinline__ void matvec_impl_tc(const u8* w0, const u8* w1, const u8* w2, int f0, int f1, int f2,
                                                int n0, int n1, int n2, float* o0, float* o1, float* o2,
                                                const float* b0, const float* b1, const float* b2, const float* x,
@@ -2358,12 +2400,17 @@ __device__ __forceinline__ void matvec_impl_tc(const u8* w0, const u8* w1, const
     int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int g = lane >> 2, tq = lane & 3;
     int acc_mode = mode & 3;
+    int m = MR == 1 ? 1 : (mode >> 8) & 15;
     int nba = k / bla;
+    int nsb = k / 16;
     i8* sq = (i8*)smem;
-    float* sd = (float*)(smem + ((k + 15) & ~15));
-    float* sx = (float*)(smem + ((k + 15) & ~15) + ((nba * 4 + 15) & ~15));
-    int* s_as = (int*)(smem + ((k + 15) & ~15) + ((nba * 4 + 15) & ~15) + (x ? 4 * k : 0));
-    int sa = ((k + 15) & ~15) + ((nba * 4 + 15) & ~15) + (x ? 4 * k : 0) + ((k / 16 * 4 + 15) & ~15);
+    size_t o_sd = ((size_t)m * k + 15) & ~(size_t)15;
+    float* sd = (float*)(smem + o_sd);
+    size_t o_sx = o_sd + (((size_t)m * nba * 4 + 15) & ~(size_t)15);
+    float* sx = (float*)(smem + o_sx);
+    size_t o_as = o_sx + (MR == 1 && x ? 4 * (size_t)k : 0);
+    int* s_as = (int*)(smem + o_as);
+    size_t sa = o_as + (((size_t)m * nsb * 4 + 15) & ~(size_t)15);
     const int ub = TC_G * rs * (PAIR ? 2 : 1);
     u8* ring = smem + sa + (size_t)wib * ub * 2;
     int nm = PAIR ? 1 : (n2 > 0 ? 3 : (n1 > 0 ? 2 : 1));
@@ -2372,7 +2419,7 @@ __device__ __forceinline__ void matvec_impl_tc(const u8* w0, const u8* w1, const
 #pragma unroll
     for (int i = 0; i < 3; i++) {
         int bb = fmt_bb(fm[i]);
-        nbm[i] = k / 256;
+        nbm[i] = nba;
         rbm[i] = nbm[i] * bb;
         cbm[i] = (rs - 32) / bb;
         num[i] = (nbm[i] + cbm[i] - 1) / cbm[i];
@@ -2413,8 +2460,17 @@ __device__ __forceinline__ void matvec_impl_tc(const u8* w0, const u8* w1, const
     next(t1, c1);
     issue(t, c, 0);
     issue(t1, c1, 1);
-    mv_prologue(x, nw, eps, qs, ad, k, bla, sq, sd, sx);
-    for (int i = threadIdx.x; i < k / 16; i += blockDim.x) {
+    if (MR == 1) {
+        mv_prologue(x, nw, eps, qs, ad, k, bla, sq, sd, sx);
+    } else {
+        // The rows' codes and scales (made by the kernel before).
+        pdl_wait();
+        for (int i = threadIdx.x; i < m * k / 16; i += blockDim.x)
+            *(int4*)(sq + 16 * i) = __ldcg((const int4*)(qs + 16 * i));
+        for (int i = threadIdx.x; i < m * nba; i += blockDim.x) sd[i] = __ldcg(ad + i);
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < m * nsb; i += blockDim.x) {
         const int* a4 = (const int*)(sq + 16 * i);
         int s = 0;
 #pragma unroll
@@ -2422,7 +2478,12 @@ __device__ __forceinline__ void matvec_impl_tc(const u8* w0, const u8* w1, const
         s_as[i] = s;
     }
     __syncthreads();
-    float ag = 0.0f, ah = 0.0f, ug = 0.0f, uh = 0.0f;
+    // This lane's activation rows: B column g's (its codes), and the C columns 2 tq, 2 tq + 1
+    // (their sums and scales); rows past m read row m - 1 (never stored) or zeros (B).
+    bool bok = g < m;
+    int rb_ = MR == 1 ? 0 : min(g, m - 1);
+    int r0 = MR == 1 ? 0 : min(2 * tq, m - 1), r1 = MR == 1 ? 0 : min(2 * tq + 1, m - 1);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, up[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int slot = 0;
     while (t < total) {
         asm volatile("cp.async.wait_group 1;" ::: "memory");
@@ -2443,34 +2504,44 @@ __device__ __forceinline__ void matvec_impl_tc(const u8* w0, const u8* w1, const
         const u8* ph = u0 + (TC_G + g + 8) * rs + (int)((size_t)(w1 + oh) & 15);
         for (int bi = 0; bi < cn; bi++) {
             int b = c0 + bi;
-            const i8* qa = sq + (size_t)b * 256;
-            const int* as16 = s_as + b * 16;
-            float da = sd[b];
-            if (FA == FB || f == FA) tc_block<FA>(sg + bi * bb, sh + bi * bb, qa, as16, tq, da, ag, ah);
-            else tc_block<FB>(sg + bi * bb, sh + bi * bb, qa, as16, tq, da, ag, ah);
-            if (PAIR) tc_block<FA>(pg + bi * bb, ph + bi * bb, qa, as16, tq, da, ug, uh);
+            const i8* qa = sq + (size_t)rb_ * k + (size_t)b * 256;
+            const int* a0s = s_as + (size_t)r0 * nsb + b * 16;
+            const int* a1s = s_as + (size_t)r1 * nsb + b * 16;
+            float da0 = sd[r0 * nba + b], da1 = sd[r1 * nba + b];
+            if (FA == FB || f == FA)
+                tc_block<FA, MR>(sg + bi * bb, sh + bi * bb, qa, bok, a0s, a1s, tq, da0, da1, acc);
+            else
+                tc_block<FB, MR>(sg + bi * bb, sh + bi * bb, qa, bok, a0s, a1s, tq, da0, da1, acc);
+            if (PAIR) tc_block<FA, MR>(pg + bi * bb, ph + bi * bb, qa, bok, a0s, a1s, tq, da0, da1, up);
         }
         if (c + 1 == PICK(num, i)) {
-            // Lane (g, 0) stores row g, lane (g, 1) row g + 8 (every lane of a row group holds
-            // both rows' sums).
-            int row = j0 + g + 8 * tq;
-            if (tq < 2 && row < n) {
-                float* out = i == 0 ? o0 : (i == 1 ? o1 : o2);
-                const float* bias = i == 0 ? b0 : (i == 1 ? b1 : b2);
-                float a = tq ? ah : ag;
-                float vv = a;
-                if (PAIR) {
-                    vv = __fmul_rn(canon_silu(a), tq ? uh : ug);
-                } else {
-                    if (bias) vv = __fadd_rn(vv, bias[row]);
-                    if (acc_mode == 1) vv = __fadd_rn(out[row], vv);
+            float* out = i == 0 ? o0 : (i == 1 ? o1 : o2);
+            const float* bias = i == 0 ? b0 : (i == 1 ? b1 : b2);
+            // MR = 1: lane (g, 0) stores row g, lane (g, 1) row g + 8 (every lane of a row
+            // group holds both). MR = 8: each lane its four (activation row, row) outputs.
+#pragma unroll
+            for (int e = 0; e < (MR == 1 ? 1 : 4); e++) {
+                int ei = MR == 1 ? tq : e;
+                int row = j0 + g + 8 * (ei & 1);
+                int ar = MR == 1 ? 0 : 2 * tq + (e >> 1);
+                if ((MR > 1 || tq < 2) && row < n && ar < m) {
+                    float* o = out + (size_t)ar * n + row;
+                    float vv = ei == 0 ? acc[0] : (ei == 1 ? acc[1] : (ei == 2 ? acc[2] : acc[3]));
+                    if (PAIR) {
+                        float u = ei == 0 ? up[0] : (ei == 1 ? up[1] : (ei == 2 ? up[2] : up[3]));
+                        vv = __fmul_rn(canon_silu(vv), u);
+                    } else {
+                        if (bias) vv = __fadd_rn(vv, bias[row]);
+                        if (acc_mode == 1) vv = __fadd_rn(*o, vv);
+                    }
+                    *o = vv;
                 }
-                out[row] = vv;
             }
-            ag = 0.0f;
-            ah = 0.0f;
-            ug = 0.0f;
-            uh = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                acc[e] = 0.0f;
+                up[e] = 0.0f;
+            }
         }
         __syncwarp();
         int t2 = t1, c2 = c1;
@@ -2483,14 +2554,20 @@ __device__ __forceinline__ void matvec_impl_tc(const u8* w0, const u8* w1, const
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
+// `_tc`: one activation row (the decode step's matvecs); `_tc8`: up to eight rows of codes
+// (verify blocks and batched decode), the row count in mode >> 8.
 #define MATVEC_TC(name, FA, FB) \
-    extern "C" __global__ void __launch_bounds__(MV_THREADS, 1) name(MATVEC_ARGS) { \
-        if ((mode & 3) == 2) matvec_impl_tc<FA, FB, 1>(MATVEC_PASS); \
-        else matvec_impl_tc<FA, FB, 0>(MATVEC_PASS); \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS, 1) name##_tc(MATVEC_ARGS) { \
+        if ((mode & 3) == 2) matvec_impl_tc<FA, FB, 1, 1>(MATVEC_PASS); \
+        else matvec_impl_tc<FA, FB, 0, 1>(MATVEC_PASS); \
+    } \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS, 1) name##_tc8(MATVEC_ARGS) { \
+        if ((mode & 3) == 2) matvec_impl_tc<FA, FB, 1, 8>(MATVEC_PASS); \
+        else matvec_impl_tc<FA, FB, 0, 8>(MATVEC_PASS); \
     }
-MATVEC_TC(matvec_q4_k_tc, F_Q4_K, F_Q4_K)
-MATVEC_TC(matvec_q6_k_tc, F_Q6_K, F_Q6_K)
-MATVEC_TC(matvec_q4_k_q6_k_tc, F_Q4_K, F_Q6_K)
+MATVEC_TC(matvec_q4_k, F_Q4_K, F_Q4_K)
+MATVEC_TC(matvec_q6_k, F_Q6_K, F_Q6_K)
+MATVEC_TC(matvec_q4_k_q6_k, F_Q4_K, F_Q6_K)
 
 // Float weights: one sequential fma chain over K per output (quant::scalar::dot). One
 // thread per (column, row). kind 0 = f32, 1 = f16, 2 = bf16.

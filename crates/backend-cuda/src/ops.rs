@@ -67,6 +67,10 @@ const MV_STAGE_CAP: usize = 4096;
 pub(crate) enum MvInput<'a> {
     /// Codes and block scales made earlier (row 0 of the activations).
     Quantized(&'a DevActs),
+    /// The first `m` rows (1 to [`TC_MAX_ROWS`]) of codes and block scales made earlier,
+    /// through the tensor-core kernels only (`matvec_*_tc8`; outputs row by row, each `n`
+    /// long).
+    Batch(&'a DevActs, usize),
     /// An f32 row at this device address, quantized by every CTA in its prologue, after an
     /// RMSNorm with this weight and epsilon when given.
     Row(u64, Option<(&'a Buf<f32>, f32)>),
@@ -142,8 +146,12 @@ pub enum MvStyle {
     Tensor,
 }
 
-/// Kernels of [`MvStyle::Tensor`]: the block-parallel kernel's name with `_tc`.
-fn tensor_matvec(kernel: &str) -> bool {
+/// Most activation rows of one tensor-core matvec launch ([`MvInput::Batch`]).
+pub(crate) const TC_MAX_ROWS: usize = 8;
+
+/// Kernels of [`MvStyle::Tensor`]: the block-parallel kernel's name with `_tc` (`_tc8` for
+/// several rows).
+pub(crate) fn tensor_matvec(kernel: &str) -> bool {
     matches!(kernel, "matvec_q4_k" | "matvec_q6_k" | "matvec_q4_k_q6_k")
 }
 
@@ -488,6 +496,16 @@ impl Device {
             ])
         };
         let pair = epi == Epilogue::SwiGlu;
+        // Up to TC_MAX_ROWS rows of Q4_K or Q6_K, when on: the tensor-core matvec kernels
+        // (every row in one launch, each weight block read once; the same bits).
+        if m <= TC_MAX_ROWS
+            && self.tc_rows()
+            && self.mma()
+            && !self.unordered_matmul()
+            && matvec_kernel(&[w.format]).is_some_and(tensor_matvec)
+        {
+            return self.matvec(ws, MvInput::Batch(acts, m), epi, MvStyle::Tensor);
+        }
         // Tensor cores for many rows of the formats that have a kernel for them: tiles of
         // MMQ_M rows by MMQ_N columns, the same bits as the warp kernels below.
         if let Some(kernel) = mmq_kernel(w.format)
@@ -625,8 +643,25 @@ impl Device {
                 "matvec over rows of {k} in blocks of {bla}"
             )));
         }
+        let rows = match input {
+            MvInput::Batch(a, m) => {
+                if !(1..=TC_MAX_ROWS).contains(&m) || m > a.cap {
+                    return Err(CudaError::Shape(format!(
+                        "{m} rows for a tensor-core matvec (room {}, at most {TC_MAX_ROWS})",
+                        a.cap
+                    )));
+                }
+                if !(tensor_matvec(kernel) && self.mma() && bla == 256) {
+                    return Err(CudaError::Shape(format!(
+                        "no tensor-core matvec for the formats {formats:?}"
+                    )));
+                }
+                m
+            }
+            _ => 1,
+        };
         let (xp, nwp, eps, qp, dp) = match input {
-            MvInput::Quantized(a) => {
+            MvInput::Quantized(a) | MvInput::Batch(a, _) => {
                 if a.layout != layout || a.k != k {
                     return Err(CudaError::Shape(format!(
                         "activations {:?}×{} for {} weights of k {k}",
@@ -660,6 +695,7 @@ impl Device {
             )));
         }
         let style = match style {
+            _ if matches!(input, MvInput::Batch(..)) => MvStyle::Tensor,
             MvStyle::Tensor if !(tensor_matvec(kernel) && self.mma() && bla == 256) => {
                 MvStyle::Blocks
             }
@@ -667,11 +703,14 @@ impl Device {
         };
         // The tensor-core kernels also keep each 16-value sub-block's code sum.
         let sums = if style == MvStyle::Tensor {
-            (k / 16 * 4).div_ceil(16) * 16
+            (rows * k / 16 * 4).div_ceil(16) * 16
         } else {
             0
         };
-        let sa = k.div_ceil(16) * 16 + (k / bla * 4).div_ceil(16) * 16 + staged_row + sums;
+        let sa = (rows * k).div_ceil(16) * 16
+            + (rows * k / bla * 4).div_ceil(16) * 16
+            + staged_row
+            + sums;
         // Rows a warp works on at once (one, one per lane group, or sixteen), the bytes
         // staged per row and unit, and the warps the launch has work for.
         let g = match style {
@@ -717,6 +756,7 @@ impl Device {
         let name = match style {
             MvStyle::Blocks => kernel.to_string(),
             MvStyle::Rows => format!("{kernel}_rows"),
+            MvStyle::Tensor if matches!(input, MvInput::Batch(..)) => format!("{kernel}_tc8"),
             MvStyle::Tensor => format!("{kernel}_tc"),
         };
         let threads = (warps * 32) as u32;
@@ -732,7 +772,12 @@ impl Device {
             Epilogue::Store => 0,
             Epilogue::Accumulate => 1,
             Epilogue::SwiGlu => 2,
-        } | if self.unordered_matmul() { 4 } else { 0 };
+        } | if self.unordered_matmul() { 4 } else { 0 }
+            | if matches!(input, MvInput::Batch(..)) {
+                (rows as i32) << 8
+            } else {
+                0
+            };
         self.launch_smem(
             &name,
             (u32::try_from(grid).unwrap_or(u32::MAX), 1, 1),

@@ -295,6 +295,83 @@ fn matvec_matches_cpu_bit_for_bit_over_formats_shapes_and_prologues() {
 }
 
 #[test]
+fn tensor_core_matvec_rows_match_cpu() {
+    // Matmuls of 1 to 8 rows of Q4_K and Q6_K on the tensor-core matvec kernels (`_tc8`:
+    // sixteen weight rows a warp, row r of the activations in B column r): ragged N, rows of
+    // several staging units (k = 8960), and every row count a verify block or a batched
+    // decode step of up to eight sequences has.
+    let d = device();
+    let shapes = [(37, 512), (130, 2304), (9, 8960), (300, 1536)];
+    d.set_tc_rows(true);
+    for (fi, format) in [Format::Q4_K, Format::Q6_K].into_iter().enumerate() {
+        for (si, &(n, k)) in shapes.iter().enumerate() {
+            let seed = (7000 + fi * 100 + si) as u64;
+            let wf = randv(n * k, seed, 1.0);
+            let w: Vec<u8> = wf
+                .chunks_exact(k)
+                .flat_map(|row| quantize_row(format, row).unwrap())
+                .collect();
+            for m in [1, 2, 3, 5, 8] {
+                let x = randv(m * k, seed + m as u64, 3.0);
+                let mut acts = QuantizedActs::new(format.act_layout(), k).unwrap();
+                acts.quantize_into(&x).unwrap();
+                let mut cpu = vec![0.0f32; m * n];
+                quant::kernels()
+                    .matmul(format, &w, n, &acts, &mut cpu)
+                    .unwrap();
+                let gpu = d.matmul_host(format, &w, n, k, &x).unwrap();
+                assert_bits_eq(
+                    &format!("tensor-core matvec {format} n {n} k {k} m {m}"),
+                    &gpu,
+                    &cpu,
+                );
+            }
+        }
+    }
+    d.set_tc_rows(false);
+}
+
+#[test]
+fn verify_blocks_on_tensor_core_matvec_match_cpu() {
+    // Blocks of 2 to 8 rows through the whole forward with the tensor-core matvec kernels on
+    // (Q4_K q/k/v with bias, the output projection and down projection accumulating into
+    // the residual, the gate/up pair with SwiGLU; the Q6_K head), then
+    // decode steps with the layers and the head on the one-row tensor-core kernels.
+    let g = tiny_model(
+        "qwen2",
+        GgmlType::Q4_K,
+        Some(GgmlType::Q6_K),
+        "tc-rows-qwen",
+    );
+    let mut cpu = cpu_backend(&g);
+    let (prompt, more) = (tokens(33, 51), tokens(26, 52));
+    let sc = cpu.kv_new();
+    run_chunks(&mut cpu, sc, 0, &prompt, 33);
+    let want = run_chunks(&mut cpu, sc, 33, &more, 1);
+    let want_steps = run_chunks(&mut cpu, sc, 59, &more[..6], 1);
+    for chunk in [2, 3, 5, 8] {
+        let mut gpu = cuda_backend(&g);
+        gpu.model().device().set_tc_rows(true);
+        gpu.set_step_options(StepOptions::matvec_mode(4));
+        let sg = gpu.kv_new();
+        run_chunks(&mut gpu, sg, 0, &prompt, 33);
+        let got = run_chunks(&mut gpu, sg, 33, &more, chunk);
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(b.iter().all(|v| v.is_finite()), "cpu logits finite");
+            assert_bits_eq(&format!("{chunk}-row blocks, position {}", 33 + i), a, b);
+        }
+        let steps = run_chunks(&mut gpu, sg, 59, &more[..6], 1);
+        for (i, (a, b)) in steps.iter().zip(&want_steps).enumerate() {
+            assert_bits_eq(
+                &format!("decode after {chunk}-row blocks, position {}", 59 + i),
+                a,
+                b,
+            );
+        }
+    }
+}
+
+#[test]
 fn activation_quantizer_matches_cpu() {
     let d = device();
     for layout in [quant::ActLayout::Blocks32, quant::ActLayout::Blocks256] {
