@@ -67,10 +67,10 @@ const MV_STAGE_CAP: usize = 4096;
 pub(crate) enum MvInput<'a> {
     /// Codes and block scales made earlier (row 0 of the activations).
     Quantized(&'a DevActs),
-    /// The first `m` rows (1 to [`TC_MAX_ROWS`]) of codes and block scales made earlier,
-    /// through the tensor-core kernels only (`matvec_*_tc8`; outputs row by row, each `n`
-    /// long).
-    Batch(&'a DevActs, usize),
+    /// `m` rows (1 to [`TC_MAX_ROWS`]) of codes and block scales made earlier, from row
+    /// `row0`, through the tensor-core kernels only (`matvec_*_tc8`; outputs row by row,
+    /// each `n` long, from the given output addresses).
+    Batch(&'a DevActs, usize, usize),
     /// An f32 row at this device address, quantized by every CTA in its prologue, after an
     /// RMSNorm with this weight and epsilon when given.
     Row(u64, Option<(&'a Buf<f32>, f32)>),
@@ -148,6 +148,10 @@ pub enum MvStyle {
 
 /// Most activation rows of one tensor-core matvec launch ([`MvInput::Batch`]).
 pub(crate) const TC_MAX_ROWS: usize = 8;
+
+/// Most rows a matmul takes the tensor-core matvec kernels for, in launches of up to
+/// [`TC_MAX_ROWS`] rows each (with [`Device::tc_rows`] on).
+pub(crate) const TC_CHUNKED_ROWS: usize = 16;
 
 /// Kernels of [`MvStyle::Tensor`]: the block-parallel kernel's name with `_tc` (`_tc8` for
 /// several rows).
@@ -498,13 +502,21 @@ impl Device {
         let pair = epi == Epilogue::SwiGlu;
         // Up to TC_MAX_ROWS rows of Q4_K or Q6_K, when on: the tensor-core matvec kernels
         // (every row in one launch, each weight block read once; the same bits).
-        if m <= TC_MAX_ROWS
+        if m <= TC_CHUNKED_ROWS
             && self.tc_rows()
             && self.mma()
             && !self.unordered_matmul()
             && matvec_kernel(&[w.format]).is_some_and(tensor_matvec)
         {
-            return self.matvec(ws, MvInput::Batch(acts, m), epi, MvStyle::Tensor);
+            for r0 in (0..m).step_by(TC_MAX_ROWS) {
+                let rows = (m - r0).min(TC_MAX_ROWS);
+                let part: Vec<(&DevMatrix, u64, Option<&Buf<f32>>)> = ws
+                    .iter()
+                    .map(|&(x, o, b)| (x, if o == 0 { 0 } else { o + (r0 * x.n * 4) as u64 }, b))
+                    .collect();
+                self.matvec(&part, MvInput::Batch(acts, r0, rows), epi, MvStyle::Tensor)?;
+            }
+            return Ok(());
         }
         // Tensor cores for many rows of the formats that have a kernel for them: tiles of
         // MMQ_M rows by MMQ_N columns, the same bits as the warp kernels below.
@@ -644,8 +656,8 @@ impl Device {
             )));
         }
         let rows = match input {
-            MvInput::Batch(a, m) => {
-                if !(1..=TC_MAX_ROWS).contains(&m) || m > a.cap {
+            MvInput::Batch(a, r0, m) => {
+                if !(1..=TC_MAX_ROWS).contains(&m) || r0 + m > a.cap {
                     return Err(CudaError::Shape(format!(
                         "{m} rows for a tensor-core matvec (room {}, at most {TC_MAX_ROWS})",
                         a.cap
@@ -661,14 +673,24 @@ impl Device {
             _ => 1,
         };
         let (xp, nwp, eps, qp, dp) = match input {
-            MvInput::Quantized(a) | MvInput::Batch(a, _) => {
+            MvInput::Quantized(a) | MvInput::Batch(a, _, _) => {
                 if a.layout != layout || a.k != k {
                     return Err(CudaError::Shape(format!(
                         "activations {:?}×{} for {} weights of k {k}",
                         a.layout, a.k, w.format
                     )));
                 }
-                (0, 0, 0.0, self.ptr(&a.qs, 0), self.ptr(&a.d, 0))
+                let r0 = match input {
+                    MvInput::Batch(_, r0, _) => r0,
+                    _ => 0,
+                };
+                (
+                    0,
+                    0,
+                    0.0,
+                    self.ptr(&a.qs, r0 * k),
+                    self.ptr(&a.d, r0 * (k / bla)),
+                )
             }
             MvInput::Row(x, norm) => {
                 if norm.is_some_and(|(nw, _)| nw.len() < k) {

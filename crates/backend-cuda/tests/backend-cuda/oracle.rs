@@ -296,10 +296,10 @@ fn matvec_matches_cpu_bit_for_bit_over_formats_shapes_and_prologues() {
 
 #[test]
 fn tensor_core_matvec_rows_match_cpu() {
-    // Matmuls of 1 to 8 rows of Q4_K and Q6_K on the tensor-core matvec kernels (`_tc8`:
-    // sixteen weight rows a warp, row r of the activations in B column r): ragged N, rows of
-    // several staging units (k = 8960), and every row count a verify block or a batched
-    // decode step of up to eight sequences has.
+    // Matmuls of 1 to 16 rows of Q4_K and Q6_K on the tensor-core matvec kernels (`_tc8`:
+    // sixteen weight rows a warp, row r of the activations in B column r; more than eight
+    // rows in launches of eight): ragged N, rows of several staging units (k = 8960), and row
+    // counts of verify blocks and batched decode steps.
     let d = device();
     let shapes = [(37, 512), (130, 2304), (9, 8960), (300, 1536)];
     d.set_tc_rows(true);
@@ -311,7 +311,7 @@ fn tensor_core_matvec_rows_match_cpu() {
                 .chunks_exact(k)
                 .flat_map(|row| quantize_row(format, row).unwrap())
                 .collect();
-            for m in [1, 2, 3, 5, 8] {
+            for m in [1, 2, 3, 5, 8, 11, 16] {
                 let x = randv(m * k, seed + m as u64, 3.0);
                 let mut acts = QuantizedActs::new(format.act_layout(), k).unwrap();
                 acts.quantize_into(&x).unwrap();
@@ -333,7 +333,7 @@ fn tensor_core_matvec_rows_match_cpu() {
 
 #[test]
 fn verify_blocks_on_tensor_core_matvec_match_cpu() {
-    // Blocks of 2 to 8 rows through the whole forward with the tensor-core matvec kernels on
+    // Blocks of 2 to 13 rows through the whole forward with the tensor-core matvec kernels on
     // (Q4_K q/k/v with bias, the output projection and down projection accumulating into
     // the residual, the gate/up pair with SwiGLU; the Q6_K head), then
     // decode steps with the layers and the head on the one-row tensor-core kernels.
@@ -349,7 +349,7 @@ fn verify_blocks_on_tensor_core_matvec_match_cpu() {
     run_chunks(&mut cpu, sc, 0, &prompt, 33);
     let want = run_chunks(&mut cpu, sc, 33, &more, 1);
     let want_steps = run_chunks(&mut cpu, sc, 59, &more[..6], 1);
-    for chunk in [2, 3, 5, 8] {
+    for chunk in [2, 3, 5, 8, 13] {
         let mut gpu = cuda_backend(&g);
         gpu.model().device().set_tc_rows(true);
         gpu.set_step_options(StepOptions::matvec_mode(4));
