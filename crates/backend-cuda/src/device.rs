@@ -75,9 +75,9 @@ pub struct Device {
     /// ([`Device::set_mma`]).
     mma: std::sync::atomic::AtomicBool,
     mmq_wide: std::sync::atomic::AtomicBool,
-    /// Whether matmuls of up to `TC_MAX_ROWS` rows of Q4_K / Q6_K take the tensor-core
-    /// matvec kernels ([`Device::set_tc_rows`]).
-    tc_rows: std::sync::atomic::AtomicBool,
+    /// The fewest rows (0: none) a matmul of Q4_K / Q6_K takes the tensor-core matvec
+    /// kernels for, up to `TC_CHUNKED_ROWS` ([`Device::set_tc_min_rows`]).
+    tc_min_rows: std::sync::atomic::AtomicUsize,
     /// The fewest rows a matmul takes the tensor-core kernels for ([`Device::set_mma_min_rows`]).
     mma_min_rows: std::sync::atomic::AtomicUsize,
     profile: std::sync::Mutex<Option<Vec<(String, f64)>>>,
@@ -310,6 +310,14 @@ fn large_smem(name: &str) -> bool {
 
 /// Static shared memory the [`LARGE_SMEM`] kernels declare themselves, at most (bytes):
 /// their dynamic share is the opt-in limit less this.
+/// The default [`Device::tc_min_rows`]. Measured on an H100 (2026-12-07, 1.5B shape,
+/// verify blocks after 512 tokens, `lockstep bench --verify --device cuda -r 3`), ms with
+/// the tensor-core matvec kernels / without: 2 rows 4.91 / 4.01, 4 rows 5.39 / 4.86, 8 rows
+/// 6.41 / 7.64, 12 rows 10.22 / 13.71, 16 rows 11.21 / 13.25. One-row decode on them (the
+/// layers' `LOCKSTEP_CUDA_MATVEC=4`) took 4.11 ms a token against 1.51 on the
+/// block-parallel kernels: too few warps (one per 16 rows) to keep the loads in flight.
+pub(crate) const TC_MIN_ROWS: usize = 8;
+
 const LARGE_SMEM_STATIC: usize = 8 * 1024;
 
 fn drv(what: &str, e: cudarc::driver::DriverError) -> CudaError {
@@ -519,8 +527,11 @@ impl Device {
             mmq_wide: std::sync::atomic::AtomicBool::new(
                 std::env::var("LOCKSTEP_CUDA_MMQW").map_or(true, |v| v != "0"),
             ),
-            tc_rows: std::sync::atomic::AtomicBool::new(
-                std::env::var("LOCKSTEP_CUDA_TC_ROWS").is_ok_and(|v| v == "1"),
+            tc_min_rows: std::sync::atomic::AtomicUsize::new(
+                std::env::var("LOCKSTEP_CUDA_TC_ROWS")
+                    .ok()
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .unwrap_or(TC_MIN_ROWS),
             ),
             mma_min_rows: std::sync::atomic::AtomicUsize::new(
                 std::env::var("LOCKSTEP_CUDA_MMA_MIN_ROWS")
@@ -601,19 +612,25 @@ impl Device {
         self.mma_min_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Turns the tensor-core matvec kernels on or off for matmuls of 1 to 8 rows of Q4_K
-    /// and Q6_K matrices (verify blocks, batched decode, decode on the general kernels):
-    /// sixteen weight rows a warp, all the rows' sub-block dot products from one int8
-    /// tensor-core step, each weight block read once. The same bits either way; off by
-    /// default (`LOCKSTEP_CUDA_TC_ROWS=1` turns it on). Only matters while
-    /// [`Device::mma`] is on.
-    pub fn set_tc_rows(&self, on: bool) {
-        self.tc_rows.store(on, std::sync::atomic::Ordering::Relaxed);
+    /// Sets the fewest rows (0: never) from which matmuls of up to 16 rows of Q4_K and Q6_K
+    /// matrices (verify blocks, batched decode steps) take the tensor-core matvec kernels:
+    /// sixteen weight rows a warp, up to eight activation rows' sub-block dot products from
+    /// one int8 tensor-core step, each weight block read once per eight rows. The same bits
+    /// either way; `TC_MIN_ROWS` by default, `LOCKSTEP_CUDA_TC_ROWS=N` sets it at start.
+    /// Only matters while [`Device::mma`] is on.
+    pub fn set_tc_min_rows(&self, rows: usize) {
+        self.tc_min_rows
+            .store(rows, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether [`Device::set_tc_rows`] is on.
-    pub fn tc_rows(&self) -> bool {
-        self.tc_rows.load(std::sync::atomic::Ordering::Relaxed)
+    /// [`Device::set_tc_min_rows`] with 1 (every row count up to 16) or 0 (never).
+    pub fn set_tc_rows(&self, on: bool) {
+        self.set_tc_min_rows(usize::from(on));
+    }
+
+    /// The fewest rows a matmul takes the tensor-core matvec kernels for (0: never).
+    pub fn tc_min_rows(&self) -> usize {
+        self.tc_min_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether the wide Q4_K tiles are on ([`Device::set_mmq_wide`]).

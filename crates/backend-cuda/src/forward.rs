@@ -117,8 +117,10 @@ pub struct StepOptions {
 /// 1.5B shape, one decode step, split / one kernel): 0.82× at 64 keys, 0.98× at 512,
 /// 1.09× at 1,024, 1.22× at 2,048, 1.29× at 4,000; against the compact kernel (H100,
 /// eleventh session, speed-up of the split): 0.78× at 64, 1.03× at 512, 1.17× at 1,024,
-/// 1.40× at 2,048, 1.58× at 4,000.
-pub const ATT_SPLIT_MIN_KEYS: usize = 1024;
+/// 1.40× at 2,048, 1.58× at 4,000; with f16 conversions in groups (H100, twelfth session,
+/// split / compact ms): 2.011 / 1.469 at 64, 2.431 / 2.013 at 512, 2.821 / 2.652 at 1,024,
+/// 3.656 / 3.847 at 2,048, 5.200 / 6.132 at 4,000, so the split now pays from 2,048 keys.
+pub const ATT_SPLIT_MIN_KEYS: usize = 2048;
 
 impl Default for StepOptions {
     fn default() -> Self {

@@ -150,7 +150,7 @@ pub enum MvStyle {
 pub(crate) const TC_MAX_ROWS: usize = 8;
 
 /// Most rows a matmul takes the tensor-core matvec kernels for, in launches of up to
-/// [`TC_MAX_ROWS`] rows each (with [`Device::tc_rows`] on).
+/// [`TC_MAX_ROWS`] rows each (from [`Device::tc_min_rows`]).
 pub(crate) const TC_CHUNKED_ROWS: usize = 16;
 
 /// Kernels of [`MvStyle::Tensor`]: the block-parallel kernel's name with `_tc` (`_tc8` for
@@ -503,7 +503,8 @@ impl Device {
         // Up to TC_MAX_ROWS rows of Q4_K or Q6_K, when on: the tensor-core matvec kernels
         // (every row in one launch, each weight block read once; the same bits).
         if m <= TC_CHUNKED_ROWS
-            && self.tc_rows()
+            && self.tc_min_rows() > 0
+            && m >= self.tc_min_rows()
             && self.mma()
             && !self.unordered_matmul()
             && matvec_kernel(&[w.format]).is_some_and(tensor_matvec)
