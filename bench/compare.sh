@@ -146,7 +146,7 @@ for f in avx avx2 fma f16c; do
     has_flag "$f" || die "this CPU lacks $f: neither peer build can run here"
 done
 if [[ "$ISA" == avx512 ]]; then
-    for f in avx512f avx512bw avx512vl avx512_vnni avx512_vbmi avx512_bf16; do
+    for f in avx512f avx512bw avx512vl avx512_vnni avx512vbmi avx512_bf16; do
         has_flag "$f" || die "--isa avx512: this CPU lacks $f (use --isa avx2)"
     done
 fi

@@ -1,10 +1,11 @@
-//! Decode-shaped (M = 1) packed matmul against memory bandwidth, on a working set far
-//! larger than the last-level cache: how close the kernels come to streaming speed.
+//! Decode-shaped (M = 1) or verify-shaped (M = 2–16) packed matmul against memory
+//! bandwidth, on a working set far larger than the last-level cache: how close the kernels
+//! come to streaming speed, and whether a verify block's extra rows overlap the stream.
 //!
 //! ```text
-//! cargo run --release -p lockstep-quant --example stream -- [format] [n] [k] [mib]
+//! cargo run --release -p lockstep-quant --example stream -- [format] [n] [k] [mib] [m]
 //! ```
-//! Defaults: Q4_K, N = 8960, K = 1536, 512 MiB of weights (several matrices of N × K,
+//! Defaults: Q4_K, N = 8960, K = 1536, 512 MiB of weights, M = 1 activation row (several matrices of N × K,
 //! walked in order, as a decode step walks the layers). Prints, for 1 and 2 threads: a plain
 //! sum over the same bytes, the matmul with no synchronisation between matrices, and the
 //! matmul with a barrier after every matrix (as the engine's pool does). `LOCKSTEP_PREFETCH`
@@ -43,6 +44,7 @@ fn main() {
     let n: usize = args.get(2).map_or(8960, |s| s.parse().expect("n"));
     let k: usize = args.get(3).map_or(1536, |s| s.parse().expect("k"));
     let mib: usize = args.get(4).map_or(512, |s| s.parse().expect("mib"));
+    let mrows: usize = args.get(5).map_or(1, |s| s.parse().expect("m"));
     if let Some(d) = std::env::var("LOCKSTEP_PREFETCH")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -59,13 +61,13 @@ fn main() {
     // Small working sets are walked several times per timing (thread start-up amortised).
     let passes = ((512usize << 20) / per_pass).max(1);
     let total = per_pass * passes;
-    let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
+    let x: Vec<f32> = (0..k * mrows).map(|i| (i as f32 * 0.37).sin()).collect();
     let mut acts = QuantizedActs::new(format.act_layout(), k).expect("acts");
     acts.quantize_into(&x).expect("quantize");
     // A plain read of the same bytes (the raw rows, same total) for the bound.
     let raw: Vec<Vec<u64>> = (0..count).map(|_| vec![1u64; one.bytes() / 8]).collect();
     println!(
-        "{format:?} N={n} K={k}: {count} matrices, {:.1} MiB (walked {passes} times); kernels {}",
+        "{format:?} N={n} K={k} M={mrows}: {count} matrices, {:.1} MiB (walked {passes} times); kernels {}",
         per_pass as f64 / (1 << 20) as f64,
         kernels().name()
     );
@@ -103,7 +105,7 @@ fn main() {
         });
         let free = time(&|t, _| {
             let r = split(t);
-            let mut out = vec![0.0f32; r.len()];
+            let mut out = vec![0.0f32; r.len() * mrows];
             for m in std::iter::repeat_n(&mats, passes).flatten() {
                 kernels()
                     .matmul_packed(m, &acts, r.clone(), &mut out, r.len())
@@ -113,7 +115,7 @@ fn main() {
         });
         let synced = time(&|t, b| {
             let r = split(t);
-            let mut out = vec![0.0f32; r.len()];
+            let mut out = vec![0.0f32; r.len() * mrows];
             for m in std::iter::repeat_n(&mats, passes).flatten() {
                 kernels()
                     .matmul_packed(m, &acts, r.clone(), &mut out, r.len())
