@@ -40,6 +40,11 @@ use crate::{Format, QuantError};
 /// Output rows per packed tile.
 pub(crate) const TILE: usize = 16;
 
+/// Packed matrices of at least this many bytes are packed by several threads.
+const PACK_PARALLEL_BYTES: usize = 1 << 20;
+/// Most threads one matrix is packed by.
+const PACK_THREADS: usize = 8;
+
 /// One 64-byte-aligned line of the packed buffer.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
@@ -52,13 +57,27 @@ struct AlignedBuf {
 }
 
 impl AlignedBuf {
+    /// `len` zero bytes. Allocated zeroed (large buffers come as fresh pages that the
+    /// kernel zeroes at first touch), not filled: the pages fault in where the packing
+    /// writes them, in the packing threads, instead of in one memset before them.
     fn zeroed(len: usize) -> Result<AlignedBuf, QuantError> {
         let count = len.div_ceil(64);
-        let mut lines = Vec::new();
-        lines
-            .try_reserve_exact(count)
-            .map_err(|_| QuantError::TooLarge)?;
-        lines.resize(count, Line([0; 64]));
+        if count == 0 {
+            return Ok(AlignedBuf {
+                lines: Vec::new(),
+                len,
+            });
+        }
+        let layout = std::alloc::Layout::array::<Line>(count).map_err(|_| QuantError::TooLarge)?;
+        // SAFETY: the layout's size is non-zero (count > 0).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut Line;
+        if ptr.is_null() {
+            return Err(QuantError::TooLarge);
+        }
+        // SAFETY: `ptr` was allocated by the global allocator with the layout of `count`
+        // `Line`s (what a `Vec<Line>` of capacity `count` uses), and all its bytes are zero,
+        // a valid `Line`; the vector takes ownership of the allocation.
+        let lines = unsafe { Vec::from_raw_parts(ptr, count, count) };
         Ok(AlignedBuf { lines, len })
     }
 
@@ -231,14 +250,37 @@ impl PackedMatrix {
         let tiles = n.div_ceil(TILE);
         let size = tiles.checked_mul(layout.tile).ok_or(QuantError::TooLarge)?;
         let mut buf = AlignedBuf::zeroed(size)?;
-        if row_bytes > 0 {
+        if row_bytes > 0 && layout.tile > 0 {
+            // Tiles are independent: large matrices are packed by several threads, each
+            // over its own run of whole tiles (a model load spends most of its time here).
+            let threads = if size >= PACK_PARALLEL_BYTES {
+                std::thread::available_parallelism()
+                    .map_or(1, |t| t.get())
+                    .min(PACK_THREADS)
+            } else {
+                1
+            };
+            let per = tiles.div_ceil(threads).max(1);
+            let run = |first_tile: usize, out: &mut [u8]| {
+                let rows =
+                    first_tile * TILE..((first_tile + out.len() / layout.tile) * TILE).min(n);
+                pack_rows(
+                    format,
+                    &layout,
+                    &bytes[rows.start * row_bytes..rows.end * row_bytes],
+                    row_bytes,
+                    out,
+                );
+            };
             let out = buf.as_mut_slice();
-            let bb = format.block_bytes();
-            for (row, rb) in bytes.chunks_exact(row_bytes).enumerate() {
-                let tile = &mut out[row / TILE * layout.tile..(row / TILE + 1) * layout.tile];
-                for (b, blk) in rb.chunks_exact(bb).enumerate() {
-                    pack_block(format, &layout, tile, row % TILE, b, blk);
-                }
+            if threads == 1 {
+                run(0, out);
+            } else {
+                std::thread::scope(|s| {
+                    for (i, chunk) in out.chunks_mut(per * layout.tile).enumerate() {
+                        s.spawn(move || run(i * per, chunk));
+                    }
+                });
             }
         }
         Ok(PackedMatrix {
@@ -393,7 +435,21 @@ fn fifth_bit(kk: usize) -> usize {
     if kk < 16 { 4 + kk / 4 } else { (kk - 16) / 4 }
 }
 
-/// Write block `b` (`blk`, original bytes) of tile row `r` into `tile`.
+/// Packs `bytes` (whole rows of `row_bytes`, the first of them row 0 of the first tile of
+/// `out`) into the tiles `out`.
+fn pack_rows(format: Format, layout: &Layout, bytes: &[u8], row_bytes: usize, out: &mut [u8]) {
+    let bb = format.block_bytes();
+    for (row, rb) in bytes.chunks_exact(row_bytes).enumerate() {
+        let tile = &mut out[row / TILE * layout.tile..(row / TILE + 1) * layout.tile];
+        for (b, blk) in rb.chunks_exact(bb).enumerate() {
+            pack_block(format, layout, tile, row % TILE, b, blk);
+        }
+    }
+}
+
+/// Write block `b` (`blk`, original bytes) of tile row `r` into `tile` (zeroed before).
+/// Every byte of the row's codes and high bits is assembled in a register and stored once
+/// (`tests::pack_block_reference` writes the same bytes bit by bit).
 fn pack_block(format: Format, layout: &Layout, tile: &mut [u8], r: usize, b: usize, blk: &[u8]) {
     let ib = decode(format, blk);
     let sizes = block_sizes(format).unwrap_or([0; 6]);
@@ -402,27 +458,58 @@ fn pack_block(format: Format, layout: &Layout, tile: &mut [u8], r: usize, b: usi
     let cbase = layout.codes + b * sizes[0];
     let hbase = layout.hi + b * sizes[1];
     for g in 0..groups {
-        for kk in 0..32 {
-            let j = kk % 4;
-            let u = (i32::from(ib.codes[32 * g + kk]) + off) as u8;
-            if format == Format::Q8_0 {
-                tile[cbase + 64 * (kk / 4) + 4 * r + j] = u;
-            } else {
-                let at = cbase + 256 * g + 64 * ((kk % 16) / 4) + 4 * r + j;
-                tile[at] |= if kk < 16 { u & 0xF } else { (u & 0xF) << 4 };
+        // The group's 32 codes made unsigned (bits 4 and up: Q5's fifth bit, Q6_K's two).
+        let u: [u8; 32] = std::array::from_fn(|kk| (i32::from(ib.codes[32 * g + kk]) + off) as u8);
+        if format == Format::Q8_0 {
+            for (kk, &x) in u.iter().enumerate() {
+                tile[cbase + 64 * (kk / 4) + 4 * r + kk % 4] = x;
             }
-            match format {
-                Format::Q5_0 | Format::Q5_1 | Format::Q5_K => {
-                    tile[hbase + 64 * g + 4 * r + j] |= ((u >> 4) & 1) << fifth_bit(kk);
-                }
-                Format::Q6_K => {
-                    let at = hbase + 128 * g + 64 * (kk / 16) + 4 * r + j;
-                    tile[at] |= ((u >> 4) & 3) << (2 * ((kk % 16) / 4));
-                }
-                _ => {}
+            continue;
+        }
+        // Chunk q, byte j: code 4q + j in the low nibble, code 16 + 4q + j in the high one.
+        for q in 0..4 {
+            let at = cbase + 256 * g + 64 * q + 4 * r;
+            for j in 0..4 {
+                tile[at + j] = (u[4 * q + j] & 0xF) | ((u[16 + 4 * q + j] & 0xF) << 4);
             }
         }
+        match format {
+            Format::Q5_0 | Format::Q5_1 | Format::Q5_K => {
+                for j in 0..4 {
+                    let mut v = 0u8;
+                    for kk in (j..32).step_by(4) {
+                        v |= ((u[kk] >> 4) & 1) << fifth_bit(kk);
+                    }
+                    tile[hbase + 64 * g + 4 * r + j] = v;
+                }
+            }
+            Format::Q6_K => {
+                for h in 0..2 {
+                    for j in 0..4 {
+                        let mut v = 0u8;
+                        for q in 0..4 {
+                            v |= ((u[16 * h + 4 * q + j] >> 4) & 3) << (2 * q);
+                        }
+                        tile[hbase + 128 * g + 64 * h + 4 * r + j] = v;
+                    }
+                }
+            }
+            _ => {}
+        }
     }
+    pack_scales(format, layout, tile, r, b, blk, &ib);
+}
+
+/// The sub-block scales and mins and the f16 `d`/`m` of block `b` of tile row `r`.
+fn pack_scales(
+    format: Format,
+    layout: &Layout,
+    tile: &mut [u8],
+    r: usize,
+    b: usize,
+    blk: &[u8],
+    ib: &IntBlock,
+) {
     match format {
         Format::Q4_K | Format::Q5_K => {
             for j in 0..8 {
@@ -454,6 +541,98 @@ fn f16_field(blk: &[u8], off: usize) -> [u8; 2] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The packing as first written: every code's bits or-ed into place one at a time.
+    fn pack_block_reference(
+        format: Format,
+        layout: &Layout,
+        tile: &mut [u8],
+        r: usize,
+        b: usize,
+        blk: &[u8],
+    ) {
+        let ib = decode(format, blk);
+        let sizes = block_sizes(format).unwrap_or([0; 6]);
+        let groups = format.block_len() / 32;
+        let off = code_offset(format);
+        let cbase = layout.codes + b * sizes[0];
+        let hbase = layout.hi + b * sizes[1];
+        for g in 0..groups {
+            for kk in 0..32 {
+                let j = kk % 4;
+                let u = (i32::from(ib.codes[32 * g + kk]) + off) as u8;
+                if format == Format::Q8_0 {
+                    tile[cbase + 64 * (kk / 4) + 4 * r + j] = u;
+                } else {
+                    let at = cbase + 256 * g + 64 * ((kk % 16) / 4) + 4 * r + j;
+                    tile[at] |= if kk < 16 { u & 0xF } else { (u & 0xF) << 4 };
+                }
+                match format {
+                    Format::Q5_0 | Format::Q5_1 | Format::Q5_K => {
+                        tile[hbase + 64 * g + 4 * r + j] |= ((u >> 4) & 1) << fifth_bit(kk);
+                    }
+                    Format::Q6_K => {
+                        let at = hbase + 128 * g + 64 * (kk / 16) + 4 * r + j;
+                        tile[at] |= ((u >> 4) & 3) << (2 * ((kk % 16) / 4));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        pack_scales(format, layout, tile, r, b, blk, &ib);
+    }
+
+    /// Packs `n × k` weights of `format` (quantized from a fixed pseudo-random stream) both
+    /// ways and compares the tiles byte for byte.
+    fn packs_like_the_reference(format: Format, n: usize, k: usize) {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ (n * 31 + k) as u64;
+        let mut bytes = Vec::new();
+        for _ in 0..n {
+            let row: Vec<f32> = (0..k)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+                })
+                .collect();
+            bytes.extend(crate::quantize_row(format, &row).unwrap());
+        }
+        let packed = PackedMatrix::pack(format, &bytes, n, k).unwrap();
+        let (tiles, layout) = packed.tiles().unwrap();
+        let mut want = vec![0u8; tiles.len()];
+        let row_bytes = format.row_bytes(k).unwrap();
+        for (row, rb) in bytes.chunks_exact(row_bytes).enumerate() {
+            let tile = &mut want[row / TILE * layout.tile..(row / TILE + 1) * layout.tile];
+            for (b, blk) in rb.chunks_exact(format.block_bytes()).enumerate() {
+                pack_block_reference(format, layout, tile, row % TILE, b, blk);
+            }
+        }
+        let first = tiles.iter().zip(&want).position(|(a, b)| a != b);
+        assert_eq!(first, None, "{format:?} n {n} k {k}: first differing byte");
+    }
+
+    #[test]
+    fn packing_writes_the_reference_bytes_for_every_tiled_format() {
+        for format in [
+            Format::Q4_0,
+            Format::Q4_1,
+            Format::Q5_0,
+            Format::Q5_1,
+            Format::Q8_0,
+            Format::Q4_K,
+            Format::Q5_K,
+            Format::Q6_K,
+        ] {
+            // A partial last tile, several blocks per row.
+            packs_like_the_reference(format, 37, 512);
+        }
+        // Over PACK_PARALLEL_BYTES: packed by several threads (on a machine with several
+        // cores), each over its own tiles; the last run of tiles is partial.
+        packs_like_the_reference(Format::Q4_K, 7_301, 256);
+        packs_like_the_reference(Format::Q6_K, 1_300, 1_024);
+        packs_like_the_reference(Format::Q8_0, 1_001, 1_024);
+    }
 
     #[test]
     fn regions_are_64_byte_aligned_and_sized_per_block() {
