@@ -614,16 +614,11 @@ mod tests {
 
     #[test]
     fn packing_writes_the_reference_bytes_for_every_tiled_format() {
-        for format in [
-            Format::Q4_0,
-            Format::Q4_1,
-            Format::Q5_0,
-            Format::Q5_1,
-            Format::Q8_0,
-            Format::Q4_K,
-            Format::Q5_K,
-            Format::Q6_K,
-        ] {
+        let tiled = Format::ALL
+            .into_iter()
+            .filter(|&f| PackedMatrix::tiles_format(f));
+        assert_eq!(tiled.clone().count(), 8);
+        for format in tiled {
             // A partial last tile, several blocks per row.
             packs_like_the_reference(format, 37, 512);
         }
