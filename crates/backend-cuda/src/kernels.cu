@@ -2780,9 +2780,10 @@ __device__ __forceinline__ void matvec_impl_tcs8(const u8* w0, const u8* w1, con
         }
         __syncthreads();
         // The float steps in block order: chain c = 16 a + r (row j0 + r, activation row a),
-        // from a different warp each group.
-        int c = (int)((threadIdx.x + blockDim.x - (unsigned)((gi % W) * 32)) % blockDim.x);
-        if (c < 16 * m) {
+        // starting from a different warp each group (a CTA of fewer than 16 m threads takes
+        // several).
+        int c0 = (int)((threadIdx.x + blockDim.x - (unsigned)((gi % W) * 32)) % blockDim.x);
+        for (int c = c0; c < 16 * m; c += blockDim.x) {
             int r = c & 15, a = c >> 4;
             int row = j0 + r;
             if (row < n) {
