@@ -81,6 +81,8 @@ pub struct Device {
     /// Whether those matmuls split a row group's blocks over a CTA's warps (`_tcs8`)
     /// instead of giving a warp whole groups (`_tc8`) ([`Device::set_tc_split`]).
     tc_split: std::sync::atomic::AtomicBool,
+    /// The most rows a matmul takes those kernels for ([`Device::tc_max_rows`]).
+    tc_max_rows: usize,
     /// The fewest rows a matmul takes the tensor-core kernels for ([`Device::set_mma_min_rows`]).
     mma_min_rows: std::sync::atomic::AtomicUsize,
     profile: std::sync::Mutex<Option<Vec<(String, f64)>>>,
@@ -548,6 +550,10 @@ impl Device {
             tc_split: std::sync::atomic::AtomicBool::new(
                 std::env::var("LOCKSTEP_CUDA_TCS").map_or(true, |v| v != "0"),
             ),
+            tc_max_rows: std::env::var("LOCKSTEP_CUDA_TC_MAX")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(crate::ops::TC_CHUNKED_ROWS),
             mma_min_rows: std::sync::atomic::AtomicUsize::new(
                 std::env::var("LOCKSTEP_CUDA_MMA_MIN_ROWS")
                     .ok()
@@ -656,6 +662,13 @@ impl Device {
     pub fn set_tc_split(&self, on: bool) {
         self.tc_split
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The most rows a matmul takes the tensor-core matvec kernels for, in launches of up to
+    /// eight rows: `TC_CHUNKED_ROWS`, or `LOCKSTEP_CUDA_TC_MAX=N` at start (for measuring;
+    /// more rows take the tensor-core tiles).
+    pub fn tc_max_rows(&self) -> usize {
+        self.tc_max_rows
     }
 
     /// Whether the tensor-core matvec kernels split a group's blocks over a CTA's warps.

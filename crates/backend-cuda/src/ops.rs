@@ -502,7 +502,7 @@ impl Device {
         let pair = epi == Epilogue::SwiGlu;
         // Up to TC_MAX_ROWS rows of Q4_K or Q6_K, when on: the tensor-core matvec kernels
         // (every row in one launch, each weight block read once; the same bits).
-        if m <= TC_CHUNKED_ROWS
+        if m <= self.tc_max_rows()
             && self.tc_min_rows() > 0
             && m >= self.tc_min_rows()
             && self.mma()
