@@ -303,10 +303,12 @@ fn tensor_core_matvec_rows_match_cpu() {
     let d = device();
     let shapes = [(37, 512), (130, 2304), (9, 8960), (300, 1536)];
     d.set_tc_rows(true);
-    for (split, (fi, format)) in [false, true]
-        .into_iter()
-        .flat_map(|sp| [Format::Q4_K, Format::Q6_K].into_iter().enumerate().map(move |f| (sp, f)))
-    {
+    for (split, (fi, format)) in [false, true].into_iter().flat_map(|sp| {
+        [Format::Q4_K, Format::Q6_K]
+            .into_iter()
+            .enumerate()
+            .map(move |f| (sp, f))
+    }) {
         d.set_tc_split(split);
         for (si, &(n, k)) in shapes.iter().enumerate() {
             let seed = (7000 + fi * 100 + si) as u64;
@@ -354,7 +356,15 @@ fn verify_blocks_on_tensor_core_matvec_match_cpu() {
     run_chunks(&mut cpu, sc, 0, &prompt, 33);
     let want = run_chunks(&mut cpu, sc, 33, &more, 1);
     let want_steps = run_chunks(&mut cpu, sc, 59, &more[..6], 1);
-    for (split, chunk) in [(false, 2), (false, 13), (true, 2), (true, 3), (true, 5), (true, 8), (true, 13)] {
+    for (split, chunk) in [
+        (false, 2),
+        (false, 13),
+        (true, 2),
+        (true, 3),
+        (true, 5),
+        (true, 8),
+        (true, 13),
+    ] {
         let mut gpu = cuda_backend(&g);
         gpu.model().device().set_tc_rows(true);
         gpu.model().device().set_tc_split(split);
