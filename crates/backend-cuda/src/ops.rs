@@ -788,12 +788,6 @@ impl Device {
         let threads = (warps * 32) as u32;
         let per_sm = self.occupancy(&name, threads, smem);
         let grid = work.div_ceil(warps).min(self.sm_count() * per_sm).max(1);
-        let at = |i: usize| ws.get(i);
-        let wp = |i: usize| at(i).map_or(0, |x| self.ptr(&x.0.data, 0));
-        let fp = |i: usize| at(i).map_or(fmt_code(w.format), |x| fmt_code(x.0.format));
-        let np = |i: usize| at(i).map_or(0, |x| x.0.n);
-        let op = |i: usize| at(i).map_or(0, |x| x.1);
-        let bp = |i: usize| at(i).and_then(|x| x.2).map_or(0, |b| self.ptr(b, 0));
         let mode = match epi {
             Epilogue::Store => 0,
             Epilogue::Accumulate => 1,
@@ -809,33 +803,57 @@ impl Device {
             (u32::try_from(grid).unwrap_or(u32::MAX), 1, 1),
             (threads, 1, 1),
             u32::try_from(smem).unwrap_or(u32::MAX),
-            &[
-                Arg::Ptr(wp(0)),
-                Arg::Ptr(wp(1)),
-                Arg::Ptr(wp(2)),
-                Arg::I32(fp(0)),
-                Arg::I32(fp(1)),
-                Arg::I32(fp(2)),
-                Arg::I32(i32_of("n", np(0))?),
-                Arg::I32(i32_of("n", np(1))?),
-                Arg::I32(i32_of("n", np(2))?),
-                Arg::Ptr(op(0)),
-                Arg::Ptr(op(1)),
-                Arg::Ptr(op(2)),
-                Arg::Ptr(bp(0)),
-                Arg::Ptr(bp(1)),
-                Arg::Ptr(bp(2)),
-                Arg::Ptr(xp),
-                Arg::Ptr(nwp),
-                Arg::F32(eps),
-                Arg::Ptr(qp),
-                Arg::Ptr(dp),
-                Arg::I32(i32_of("k", k)?),
-                Arg::I32(i32_of("block", bla)?),
-                Arg::I32(mode),
-                Arg::I32(i32_of("stage", rs)?),
-            ],
+            &self.matvec_args(ws, (xp, nwp, eps, qp, dp), k, bla, mode, rs)?,
         )
+    }
+
+    /// The arguments of a matvec kernel (`MATVEC_ARGS` in kernels.cu): up to three
+    /// matrices' weights, formats, rows, outputs and biases, then the input (f32 row, norm
+    /// weight, epsilon, codes, scales), row length, activation block length, mode and the
+    /// staged bytes per row.
+    fn matvec_args(
+        &self,
+        ws: &[(&DevMatrix, u64, Option<&Buf<f32>>)],
+        input: (u64, u64, f32, u64, u64),
+        k: usize,
+        bla: usize,
+        mode: i32,
+        rs: usize,
+    ) -> Result<Vec<Arg>, CudaError> {
+        let (xp, nwp, eps, qp, dp) = input;
+        let f0 = fmt_code(ws[0].0.format);
+        let at = |i: usize| ws.get(i);
+        let wp = |i: usize| at(i).map_or(0, |x| self.ptr(&x.0.data, 0));
+        let fp = |i: usize| at(i).map_or(f0, |x| fmt_code(x.0.format));
+        let np = |i: usize| at(i).map_or(0, |x| x.0.n);
+        let op = |i: usize| at(i).map_or(0, |x| x.1);
+        let bp = |i: usize| at(i).and_then(|x| x.2).map_or(0, |b| self.ptr(b, 0));
+        Ok(vec![
+            Arg::Ptr(wp(0)),
+            Arg::Ptr(wp(1)),
+            Arg::Ptr(wp(2)),
+            Arg::I32(fp(0)),
+            Arg::I32(fp(1)),
+            Arg::I32(fp(2)),
+            Arg::I32(i32_of("n", np(0))?),
+            Arg::I32(i32_of("n", np(1))?),
+            Arg::I32(i32_of("n", np(2))?),
+            Arg::Ptr(op(0)),
+            Arg::Ptr(op(1)),
+            Arg::Ptr(op(2)),
+            Arg::Ptr(bp(0)),
+            Arg::Ptr(bp(1)),
+            Arg::Ptr(bp(2)),
+            Arg::Ptr(xp),
+            Arg::Ptr(nwp),
+            Arg::F32(eps),
+            Arg::Ptr(qp),
+            Arg::Ptr(dp),
+            Arg::I32(i32_of("k", k)?),
+            Arg::I32(i32_of("block", bla)?),
+            Arg::I32(mode),
+            Arg::I32(i32_of("stage", rs)?),
+        ])
     }
 
     /// The `_tcs8` launch of [`Device::matvec`] for [`MvInput::Batch`] (its checks done;
@@ -888,12 +906,6 @@ impl Device {
         let threads = (warps * 32) as u32;
         let per_sm = self.occupancy(&name, threads, smem);
         let grid = groups.min(self.sm_count() * per_sm).max(1);
-        let at = |i: usize| ws.get(i);
-        let wp = |i: usize| at(i).map_or(0, |x| self.ptr(&x.0.data, 0));
-        let fp = |i: usize| at(i).map_or(fmt_code(w.format), |x| fmt_code(x.0.format));
-        let nn = |i: usize| at(i).map_or(0, |x| x.0.n);
-        let op = |i: usize| at(i).map_or(0, |x| x.1);
-        let bp = |i: usize| at(i).and_then(|x| x.2).map_or(0, |b| self.ptr(b, 0));
         let mode = match epi {
             Epilogue::Store => 0,
             Epilogue::Accumulate => 1,
@@ -904,32 +916,7 @@ impl Device {
             (u32::try_from(grid).unwrap_or(u32::MAX), 1, 1),
             (threads, 1, 1),
             u32::try_from(smem).unwrap_or(u32::MAX),
-            &[
-                Arg::Ptr(wp(0)),
-                Arg::Ptr(wp(1)),
-                Arg::Ptr(wp(2)),
-                Arg::I32(fp(0)),
-                Arg::I32(fp(1)),
-                Arg::I32(fp(2)),
-                Arg::I32(i32_of("n", nn(0))?),
-                Arg::I32(i32_of("n", nn(1))?),
-                Arg::I32(i32_of("n", nn(2))?),
-                Arg::Ptr(op(0)),
-                Arg::Ptr(op(1)),
-                Arg::Ptr(op(2)),
-                Arg::Ptr(bp(0)),
-                Arg::Ptr(bp(1)),
-                Arg::Ptr(bp(2)),
-                Arg::Ptr(0),
-                Arg::Ptr(0),
-                Arg::F32(0.0),
-                Arg::Ptr(qp),
-                Arg::Ptr(dp),
-                Arg::I32(i32_of("k", k)?),
-                Arg::I32(256),
-                Arg::I32(mode),
-                Arg::I32(i32_of("stage", rs)?),
-            ],
+            &self.matvec_args(ws, (0, 0, 0.0, qp, dp), k, 256, mode, rs)?,
         )
     }
 
