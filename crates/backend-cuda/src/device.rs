@@ -78,6 +78,11 @@ pub struct Device {
     /// The fewest rows (0: none) a matmul of Q4_K / Q6_K takes the tensor-core matvec
     /// kernels for, up to `TC_CHUNKED_ROWS` ([`Device::set_tc_min_rows`]).
     tc_min_rows: std::sync::atomic::AtomicUsize,
+    /// Whether those matmuls split a row group's blocks over a CTA's warps (`_tcs8`)
+    /// instead of giving a warp whole groups (`_tc8`) ([`Device::set_tc_split`]).
+    tc_split: std::sync::atomic::AtomicBool,
+    /// The most rows a matmul takes those kernels for ([`Device::tc_max_rows`]).
+    tc_max_rows: usize,
     /// The fewest rows a matmul takes the tensor-core kernels for ([`Device::set_mma_min_rows`]).
     mma_min_rows: std::sync::atomic::AtomicUsize,
     profile: std::sync::Mutex<Option<Vec<(String, f64)>>>,
@@ -203,6 +208,9 @@ const KERNELS: &[&str] = &[
     "matvec_q4_k_tc8",
     "matvec_q6_k_tc8",
     "matvec_q4_k_q6_k_tc8",
+    "matvec_q4_k_tcs8",
+    "matvec_q6_k_tcs8",
+    "matvec_q4_k_q6_k_tcs8",
     "matvec_q5_k_q6_k",
     "matvec_q5_k_q6_k_rows",
     "summary_exp",
@@ -252,6 +260,9 @@ const LARGE_SMEM: &[&str] = &[
     "matvec_q4_k_tc8",
     "matvec_q6_k_tc8",
     "matvec_q4_k_q6_k_tc8",
+    "matvec_q4_k_tcs8",
+    "matvec_q6_k_tcs8",
+    "matvec_q4_k_q6_k_tcs8",
     "matvec_q5_k_q6_k",
     "matvec_q5_k_q6_k_rows",
 ];
@@ -298,6 +309,9 @@ const PDL: &[&str] = &[
     "matvec_q4_k_tc8",
     "matvec_q6_k_tc8",
     "matvec_q4_k_q6_k_tc8",
+    "matvec_q4_k_tcs8",
+    "matvec_q6_k_tcs8",
+    "matvec_q4_k_q6_k_tcs8",
     "matvec_q5_k_q6_k",
     "matvec_q5_k_q6_k_rows",
 ];
@@ -533,6 +547,13 @@ impl Device {
                     .and_then(|v| v.parse::<usize>().ok())
                     .unwrap_or(TC_MIN_ROWS),
             ),
+            tc_split: std::sync::atomic::AtomicBool::new(
+                std::env::var("LOCKSTEP_CUDA_TCS").map_or(true, |v| v != "0"),
+            ),
+            tc_max_rows: std::env::var("LOCKSTEP_CUDA_TC_MAX")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(crate::ops::TC_CHUNKED_ROWS),
             mma_min_rows: std::sync::atomic::AtomicUsize::new(
                 std::env::var("LOCKSTEP_CUDA_MMA_MIN_ROWS")
                     .ok()
@@ -631,6 +652,28 @@ impl Device {
     /// The fewest rows a matmul takes the tensor-core matvec kernels for (0: never).
     pub fn tc_min_rows(&self) -> usize {
         self.tc_min_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets how the tensor-core matvec kernels of [`Device::set_tc_min_rows`] spread their
+    /// work: `true` (the default; `LOCKSTEP_CUDA_TCS=0` turns it off at start) a CTA per
+    /// 16-row group at a time with the group's blocks over its warps and the float steps in
+    /// block order after a barrier (`_tcs8`), `false` a warp per 16-row group (`_tc8`). The
+    /// same bits either way.
+    pub fn set_tc_split(&self, on: bool) {
+        self.tc_split
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The most rows a matmul takes the tensor-core matvec kernels for, in launches of up to
+    /// eight rows: `TC_CHUNKED_ROWS`, or `LOCKSTEP_CUDA_TC_MAX=N` at start (for measuring;
+    /// more rows take the tensor-core tiles).
+    pub fn tc_max_rows(&self) -> usize {
+        self.tc_max_rows
+    }
+
+    /// Whether the tensor-core matvec kernels split a group's blocks over a CTA's warps.
+    pub fn tc_split(&self) -> bool {
+        self.tc_split.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether the wide Q4_K tiles are on ([`Device::set_mmq_wide`]).

@@ -2257,14 +2257,20 @@ __device__ __forceinline__ void tc_scales_q4k(const u8* b, u32* s) {
 // 256 codes; zero where !bok) with the sub-block sums (16 values each) of the lane's
 // activation rows r0 = 2 tq and r1 = 2 tq + 1 (a0s, a1s; with MR = 1 one row, in every
 // column): the canonical step into acc = {(r0, g), (r0, g + 8), (r1, g), (r1, g + 8)}.
+// tc_sums_q4k gives the step's exact integer sums (is, ms in acc's order), tc_block_q4k
+// the step.
 template <int MR>
-__device__ __forceinline__ void tc_block_q4k(const u8* bg, const u8* bh, const i8* qa, bool bok, const int* a0s,
-                                             const int* a1s, int tq, float da0, float da1, float* acc) {
+__device__ __forceinline__ void tc_sums_q4k(const u8* bg, const u8* bh, const i8* qa, bool bok, const int* a0s,
+                                            const int* a1s, int tq, int* is, int* ms) {
     const u32 M4 = 0x0f0f0f0fu;
     u32 sg[4], sh[4];
     tc_scales_q4k(bg, sg);
     tc_scales_q4k(bh, sh);
-    int is[4] = {0, 0, 0, 0}, ms[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        is[e] = 0;
+        ms[e] = 0;
+    }
 #pragma unroll
     for (int p = 0; p < 4; p++) {
         // Sub-blocks 2p and 2p + 1: the low and high nibbles of code bytes 32p .. 32p + 31.
@@ -2309,6 +2315,12 @@ __device__ __forceinline__ void tc_block_q4k(const u8* bg, const u8* bh, const i
             ms[3] += mn_h * a1;
         }
     }
+}
+template <int MR>
+__device__ __forceinline__ void tc_block_q4k(const u8* bg, const u8* bh, const i8* qa, bool bok, const int* a0s,
+                                             const int* a1s, int tq, float da0, float da1, float* acc) {
+    int is[4], ms[4];
+    tc_sums_q4k<MR>(bg, bh, qa, bok, a0s, a1s, tq, is, ms);
     float dg = ld_f16(bg), mg = ld_f16(bg + 2), dh = ld_f16(bh), mh = ld_f16(bh + 2);
     acc[0] = block_step<F_Q4_K>(acc[0], dg, mg, da0, is[0], ms[0]);
     acc[1] = block_step<F_Q4_K>(acc[1], dh, mh, da0, is[1], ms[1]);
@@ -2341,10 +2353,11 @@ __device__ __forceinline__ void tc_codes_q6k(const u8* b, int tq, u32* c) {
     }
 }
 
-// One Q6_K block of rows g (bg) and g + 8 (bh), operands as tc_block_q4k.
+// One Q6_K block of rows g (bg) and g + 8 (bh), operands as tc_block_q4k: its exact
+// integer sums (the offset of 32 taken off; no min sums) into is in acc's order.
 template <int MR>
-__device__ __forceinline__ void tc_block_q6k(const u8* bg, const u8* bh, const i8* qa, bool bok, const int* a0s,
-                                             const int* a1s, int tq, float da0, float da1, float* acc) {
+__device__ __forceinline__ void tc_sums_q6k(const u8* bg, const u8* bh, const i8* qa, bool bok, const int* a0s,
+                                            const int* a1s, int tq, int* isum) {
     u32 cg[16], ch[16];
     tc_codes_q6k(bg, tq, cg);
     tc_codes_q6k(bh, tq, ch);
@@ -2366,12 +2379,20 @@ __device__ __forceinline__ void tc_block_q6k(const u8* bg, const u8* bh, const i
             os[3] += sc_h * a1s[j];
         }
     }
+#pragma unroll
+    for (int e = 0; e < 4; e++) isum[e] = is[e] - 32 * os[e];
+}
+template <int MR>
+__device__ __forceinline__ void tc_block_q6k(const u8* bg, const u8* bh, const i8* qa, bool bok, const int* a0s,
+                                             const int* a1s, int tq, float da0, float da1, float* acc) {
+    int is[4];
+    tc_sums_q6k<MR>(bg, bh, qa, bok, a0s, a1s, tq, is);
     float dg = ld_f16(bg + 208), dh = ld_f16(bh + 208);
-    acc[0] = block_step<F_Q6_K>(acc[0], dg, 0.0f, da0, is[0] - 32 * os[0], 0);
-    acc[1] = block_step<F_Q6_K>(acc[1], dh, 0.0f, da0, is[1] - 32 * os[1], 0);
+    acc[0] = block_step<F_Q6_K>(acc[0], dg, 0.0f, da0, is[0], 0);
+    acc[1] = block_step<F_Q6_K>(acc[1], dh, 0.0f, da0, is[1], 0);
     if (MR > 1) {
-        acc[2] = block_step<F_Q6_K>(acc[2], dg, 0.0f, da1, is[2] - 32 * os[2], 0);
-        acc[3] = block_step<F_Q6_K>(acc[3], dh, 0.0f, da1, is[3] - 32 * os[3], 0);
+        acc[2] = block_step<F_Q6_K>(acc[2], dg, 0.0f, da1, is[2], 0);
+        acc[3] = block_step<F_Q6_K>(acc[3], dh, 0.0f, da1, is[3], 0);
     }
 }
 
@@ -2568,6 +2589,233 @@ __device__ __forceinline__ void matvec_impl_tc(const u8* w0, const u8* w1, const
 MATVEC_TC(matvec_q4_k, F_Q4_K, F_Q4_K)
 MATVEC_TC(matvec_q6_k, F_Q6_K, F_Q6_K)
 MATVEC_TC(matvec_q4_k_q6_k, F_Q4_K, F_Q6_K)
+
+// ---- tensor-core matvec of a few rows, a row group's blocks over a CTA's warps (`_tcs8`) ----
+//
+// `_tc8` gives a warp a whole 16-row group and all its blocks: one warp per sixteen rows, so
+// the down projection of the 1.5B shape (1,536 rows of 35 blocks) runs on 96 warps, too few
+// to keep the weight loads in flight. Here a CTA takes one 16-row group at a time and its W
+// warps take the group's blocks b = w, w + W, ...: each computes the exact integer sums of
+// its blocks for the 16 weight rows and up to eight activation rows (the same tensor-core
+// steps as `_tc8`, tc_sums_*) and writes them, with each weight row's block scale and min,
+// to shared memory. After one barrier, thread c < 16 m runs the float steps of (weight row c
+// % 16, activation row c / 16) in block order (block_step on those values), so the bits are
+// those of every other matmul kernel. Two buffers of sums, by group parity: a thread chains
+// group k before it reaches the barrier that ends group k + 1, so nobody writes group k + 2's
+// sums over them too early. A warp's units are (group, block) pairs in order, through a
+// two-slot cp.async ring of 16 row blocks (twice for a gate/up pair).
+
+// Lane (g, tq)'s sums of one block into red (16 weight rows by 8 activation rows: entry
+// 8 row + column) and, from lanes tq < 2, rows g and g + 8's scale and min into dm.
+template <int F>
+__device__ __forceinline__ void tcs8_block(const u8* bg, const u8* bh, const i8* qa, bool bok, const int* a0s,
+                                           const int* a1s, int g, int tq, int m, int2* red, float2* dm) {
+    int is[4], ms[4] = {0, 0, 0, 0};
+    if (F == F_Q4_K) tc_sums_q4k<8>(bg, bh, qa, bok, a0s, a1s, tq, is, ms);
+    else tc_sums_q6k<8>(bg, bh, qa, bok, a0s, a1s, tq, is);
+    int c0 = 2 * tq, c1 = 2 * tq + 1;
+    if (c0 < m) {
+        red[8 * g + c0] = make_int2(is[0], ms[0]);
+        red[8 * (g + 8) + c0] = make_int2(is[1], ms[1]);
+    }
+    if (c1 < m) {
+        red[8 * g + c1] = make_int2(is[2], ms[2]);
+        red[8 * (g + 8) + c1] = make_int2(is[3], ms[3]);
+    }
+    if (tq < 2) {
+        const u8* b = tq ? bh : bg;
+        dm[g + 8 * tq] = make_float2(block_d<F>(b), block_m<F>(b));
+    }
+}
+
+// One output's float steps in block order from the shared sums (row r of the group,
+// activation row a).
+template <int F>
+__device__ __forceinline__ float tcs8_chain(const int2* red, const float2* dm, const float* sd, int nba, int r,
+                                            int a) {
+    float acc = 0.0f;
+    for (int bk = 0; bk < nba; bk++) {
+        int2 e = red[(size_t)bk * 128 + 8 * r + a];
+        float2 s = dm[(size_t)bk * 16 + r];
+        acc = block_step<F>(acc, s.x, s.y, sd[a * nba + bk], e.x, e.y);
+    }
+    return acc;
+}
+
+// The kernel body: arguments and launch modes as matvec_impl_tc with MR = 8 (m = mode >> 8
+// rows of codes and scales, bla = 256); rs is the ring's bytes per row block (at least the
+// largest block plus 30). Shared memory: codes (m rows of k), block scales (m rows of k /
+// 256), the sub-block sums (m rows of k / 16 ints), two buffers of sums (int2, k / 256
+// blocks by 16 by 8, twice for a pair) and of scales and mins (float2, k / 256 blocks by 16,
+// twice for a pair), then each warp's two-slot ring (16 row blocks of rs bytes, twice for a
+// pair).
+template <int FA, int FB, int PAIR>
+__device__ __forceinline__ void matvec_impl_tcs8(const u8* w0, const u8* w1, const u8* w2, int f0, int f1, int f2,
+                                                 int n0, int n1, int n2, float* o0, float* o1, float* o2,
+                                                 const float* b0, const float* b1, const float* b2, const i8* qs,
+                                                 const float* ad, int k, int mode, int rs) {
+    extern __shared__ __align__(16) u8 smem[];
+    const int W = blockDim.x >> 5;
+    int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int g = lane >> 2, tq = lane & 3;
+    int acc_mode = mode & 3;
+    int m = (mode >> 8) & 15;
+    int nba = k / 256;
+    int nsb = k / 16;
+    const int NP = PAIR ? 2 : 1;
+    i8* sq = (i8*)smem;
+    size_t o_sd = ((size_t)m * k + 15) & ~(size_t)15;
+    float* sd = (float*)(smem + o_sd);
+    size_t o_as = o_sd + (((size_t)m * nba * 4 + 15) & ~(size_t)15);
+    int* s_as = (int*)(smem + o_as);
+    size_t o_red = o_as + (((size_t)m * nsb * 4 + 15) & ~(size_t)15);
+    int2* s_red = (int2*)(smem + o_red);  // [2][NP][nba][16][8]
+    size_t red_half = (size_t)NP * nba * 128;
+    size_t o_dm = o_red + 2 * red_half * sizeof(int2);
+    float2* s_dm = (float2*)(smem + o_dm);  // [2][NP][nba][16]
+    size_t dm_half = (size_t)NP * nba * 16;
+    size_t o_ring = o_dm + 2 * dm_half * sizeof(float2);
+    const int ub = TC_G * rs * NP;
+    u8* ring = smem + o_ring + (size_t)wib * ub * 2;
+    int nm = PAIR ? 1 : (n2 > 0 ? 3 : (n1 > 0 ? 2 : 1));
+    int fm[3] = {f0, f1, f2}, nn[3] = {n0, n1, n2};
+    int ngm[3];
+#pragma unroll
+    for (int i = 0; i < 3; i++) ngm[i] = i < nm ? (nn[i] + TC_G - 1) / TC_G : 0;
+    int total = ngm[0] + ngm[1] + ngm[2];
+    auto locate = [&](int t, int& i, int& j0) {
+        i = t < ngm[0] ? 0 : (t < ngm[0] + ngm[1] ? 1 : 2);
+        j0 = (t - (i == 0 ? 0 : (i == 1 ? ngm[0] : ngm[0] + ngm[1]))) * TC_G;
+    };
+    const u8* wm[3] = {w0, w1, w2};
+    // This warp's units: (group t, block b), b = wib, wib + W, ... of each of the CTA's groups.
+    auto issue = [&](int t, int b, int slot) {
+        if (t < total) {
+            int i, j0;
+            locate(t, i, j0);
+            int bb = fmt_bb(PICK(fm, i));
+            size_t rb = (size_t)nba * bb;
+            u8* dst = ring + (size_t)slot * ub;
+            for (int r = 0; r < TC_G && j0 + r < PICK(nn, i); r++) {
+                size_t o = (size_t)(j0 + r) * rb + (size_t)b * bb;
+                stage_issue(dst + r * rs, PICK(wm, i) + o, bb, lane);
+                if (PAIR) stage_issue(dst + (TC_G + r) * rs, w1 + o, bb, lane);
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    auto next = [&](int& t, int& b) {
+        if (t >= total) return;
+        b += W;
+        if (b >= nba) {
+            t += gridDim.x;
+            b = wib;
+        }
+    };
+    pdl_trigger();
+    // A warp past the last block of every group (W > nba) has no units.
+    int t = wib < nba ? (int)blockIdx.x : total, b = wib;
+    int t1 = t, u1 = b;
+    next(t1, u1);
+    issue(t, b, 0);
+    issue(t1, u1, 1);
+    // The rows' codes and scales (made by the kernel before), then each sub-block's code sum.
+    pdl_wait();
+    for (int i = threadIdx.x; i < m * k / 16; i += blockDim.x)
+        *(int4*)(sq + 16 * i) = __ldcg((const int4*)(qs + 16 * i));
+    for (int i = threadIdx.x; i < m * nba; i += blockDim.x) sd[i] = __ldcg(ad + i);
+    __syncthreads();
+    for (int i = threadIdx.x; i < m * nsb; i += blockDim.x) {
+        const int* a4 = (const int*)(sq + 16 * i);
+        int s = 0;
+#pragma unroll
+        for (int u = 0; u < 4; u++) s = __dp4a(a4[u], 0x01010101, s);
+        s_as[i] = s;
+    }
+    __syncthreads();
+    // This lane's activation rows: B column g's (its codes), and the C columns 2 tq, 2 tq + 1
+    // (their sums); rows past m read row m - 1 (never stored) or zeros (B).
+    bool bok = g < m;
+    int rb_ = min(g, m - 1);
+    int r0 = min(2 * tq, m - 1), r1 = min(2 * tq + 1, m - 1);
+    int slot = 0, par = 0, gi = 0;
+    for (int tg = blockIdx.x; tg < total; tg += gridDim.x, par ^= 1, gi++) {
+        int i, j0;
+        locate(tg, i, j0);
+        int f = PICK(fm, i), bb = fmt_bb(f);
+        int n = PICK(nn, i);
+        size_t rb = (size_t)nba * bb;
+        const u8* wb = PICK(wm, i);
+        int2* red = s_red + (size_t)par * red_half;
+        float2* dmb = s_dm + (size_t)par * dm_half;
+        // This warp's blocks of group tg (its units come in this order).
+        while (t == tg) {
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+            __syncwarp();
+            size_t og = (size_t)min(j0 + g, n - 1) * rb + (size_t)b * bb;
+            size_t oh = (size_t)min(j0 + g + 8, n - 1) * rb + (size_t)b * bb;
+            const u8* u0 = ring + (size_t)slot * ub;
+            const u8* sg = u0 + g * rs + (int)((size_t)(wb + og) & 15);
+            const u8* sh = u0 + (g + 8) * rs + (int)((size_t)(wb + oh) & 15);
+            const i8* qa = sq + (size_t)rb_ * k + (size_t)b * 256;
+            const int* a0s = s_as + (size_t)r0 * nsb + b * 16;
+            const int* a1s = s_as + (size_t)r1 * nsb + b * 16;
+            int2* rr = red + (size_t)b * 128;
+            float2* dd = dmb + (size_t)b * 16;
+            if (FA == FB || f == FA) tcs8_block<FA>(sg, sh, qa, bok, a0s, a1s, g, tq, m, rr, dd);
+            else tcs8_block<FB>(sg, sh, qa, bok, a0s, a1s, g, tq, m, rr, dd);
+            if (PAIR) {
+                const u8* pg = u0 + (TC_G + g) * rs + (int)((size_t)(w1 + og) & 15);
+                const u8* ph = u0 + (TC_G + g + 8) * rs + (int)((size_t)(w1 + oh) & 15);
+                tcs8_block<FA>(pg, ph, qa, bok, a0s, a1s, g, tq, m, rr + (size_t)nba * 128,
+                               dd + (size_t)nba * 16);
+            }
+            __syncwarp();
+            int t2 = t1, u2 = u1;
+            next(t2, u2);
+            issue(t2, u2, slot);
+            t = t1; b = u1;
+            t1 = t2; u1 = u2;
+            slot ^= 1;
+        }
+        __syncthreads();
+        // The float steps in block order: chain c = 16 a + r (row j0 + r, activation row a),
+        // starting from a different warp each group (a CTA of fewer than 16 m threads takes
+        // several).
+        int c0 = (int)((threadIdx.x + blockDim.x - (unsigned)((gi % W) * 32)) % blockDim.x);
+        for (int c = c0; c < 16 * m; c += blockDim.x) {
+            int r = c & 15, a = c >> 4;
+            int row = j0 + r;
+            if (row < n) {
+                float vv = FA == FB || f == FA ? tcs8_chain<FA>(red, dmb, sd, nba, r, a)
+                                               : tcs8_chain<FB>(red, dmb, sd, nba, r, a);
+                float* out = i == 0 ? o0 : (i == 1 ? o1 : o2);
+                const float* bias = i == 0 ? b0 : (i == 1 ? b1 : b2);
+                float* o = out + (size_t)a * n + row;
+                if (PAIR) {
+                    float u = tcs8_chain<FA>(red + (size_t)nba * 128, dmb + (size_t)nba * 16, sd, nba, r, a);
+                    vv = __fmul_rn(canon_silu(vv), u);
+                } else {
+                    if (bias) vv = __fadd_rn(vv, bias[row]);
+                    if (acc_mode == 1) vv = __fadd_rn(*o, vv);
+                }
+                *o = vv;
+            }
+        }
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+#define MATVEC_TCS8(name, FA, FB) \
+    extern "C" __global__ void __launch_bounds__(MV_THREADS, 1) name##_tcs8(MATVEC_ARGS) { \
+        if ((mode & 3) == 2) matvec_impl_tcs8<FA, FB, 1>(w0, w1, w2, f0, f1, f2, n0, n1, n2, o0, o1, o2, b0, b1, b2, \
+                                                         qs, ad, k, mode, rs); \
+        else matvec_impl_tcs8<FA, FB, 0>(w0, w1, w2, f0, f1, f2, n0, n1, n2, o0, o1, o2, b0, b1, b2, qs, ad, k, \
+                                         mode, rs); \
+    }
+MATVEC_TCS8(matvec_q4_k, F_Q4_K, F_Q4_K)
+MATVEC_TCS8(matvec_q6_k, F_Q6_K, F_Q6_K)
+MATVEC_TCS8(matvec_q4_k_q6_k, F_Q4_K, F_Q6_K)
 
 // Float weights: one sequential fma chain over K per output (quant::scalar::dot). One
 // thread per (column, row). kind 0 = f32, 1 = f16, 2 = bf16.

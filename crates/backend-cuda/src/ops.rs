@@ -502,7 +502,7 @@ impl Device {
         let pair = epi == Epilogue::SwiGlu;
         // Up to TC_MAX_ROWS rows of Q4_K or Q6_K, when on: the tensor-core matvec kernels
         // (every row in one launch, each weight block read once; the same bits).
-        if m <= TC_CHUNKED_ROWS
+        if m <= self.tc_max_rows()
             && self.tc_min_rows() > 0
             && m >= self.tc_min_rows()
             && self.mma()
@@ -724,6 +724,9 @@ impl Device {
             }
             s => s,
         };
+        if matches!(input, MvInput::Batch(..)) && self.tc_split() {
+            return self.matvec_split8(ws, (qp, dp, rows), epi, kernel, k);
+        }
         // The tensor-core kernels also keep each 16-value sub-block's code sum.
         let sums = if style == MvStyle::Tensor {
             (rows * k / 16 * 4).div_ceil(16) * 16
@@ -785,12 +788,6 @@ impl Device {
         let threads = (warps * 32) as u32;
         let per_sm = self.occupancy(&name, threads, smem);
         let grid = work.div_ceil(warps).min(self.sm_count() * per_sm).max(1);
-        let at = |i: usize| ws.get(i);
-        let wp = |i: usize| at(i).map_or(0, |x| self.ptr(&x.0.data, 0));
-        let fp = |i: usize| at(i).map_or(fmt_code(w.format), |x| fmt_code(x.0.format));
-        let np = |i: usize| at(i).map_or(0, |x| x.0.n);
-        let op = |i: usize| at(i).map_or(0, |x| x.1);
-        let bp = |i: usize| at(i).and_then(|x| x.2).map_or(0, |b| self.ptr(b, 0));
         let mode = match epi {
             Epilogue::Store => 0,
             Epilogue::Accumulate => 1,
@@ -806,32 +803,120 @@ impl Device {
             (u32::try_from(grid).unwrap_or(u32::MAX), 1, 1),
             (threads, 1, 1),
             u32::try_from(smem).unwrap_or(u32::MAX),
-            &[
-                Arg::Ptr(wp(0)),
-                Arg::Ptr(wp(1)),
-                Arg::Ptr(wp(2)),
-                Arg::I32(fp(0)),
-                Arg::I32(fp(1)),
-                Arg::I32(fp(2)),
-                Arg::I32(i32_of("n", np(0))?),
-                Arg::I32(i32_of("n", np(1))?),
-                Arg::I32(i32_of("n", np(2))?),
-                Arg::Ptr(op(0)),
-                Arg::Ptr(op(1)),
-                Arg::Ptr(op(2)),
-                Arg::Ptr(bp(0)),
-                Arg::Ptr(bp(1)),
-                Arg::Ptr(bp(2)),
-                Arg::Ptr(xp),
-                Arg::Ptr(nwp),
-                Arg::F32(eps),
-                Arg::Ptr(qp),
-                Arg::Ptr(dp),
-                Arg::I32(i32_of("k", k)?),
-                Arg::I32(i32_of("block", bla)?),
-                Arg::I32(mode),
-                Arg::I32(i32_of("stage", rs)?),
-            ],
+            &self.matvec_args(ws, (xp, nwp, eps, qp, dp), k, bla, mode, rs)?,
+        )
+    }
+
+    /// The arguments of a matvec kernel (`MATVEC_ARGS` in kernels.cu): up to three
+    /// matrices' weights, formats, rows, outputs and biases, then the input (f32 row, norm
+    /// weight, epsilon, codes, scales), row length, activation block length, mode and the
+    /// staged bytes per row.
+    fn matvec_args(
+        &self,
+        ws: &[(&DevMatrix, u64, Option<&Buf<f32>>)],
+        input: (u64, u64, f32, u64, u64),
+        k: usize,
+        bla: usize,
+        mode: i32,
+        rs: usize,
+    ) -> Result<Vec<Arg>, CudaError> {
+        let (xp, nwp, eps, qp, dp) = input;
+        let f0 = fmt_code(ws[0].0.format);
+        let at = |i: usize| ws.get(i);
+        let wp = |i: usize| at(i).map_or(0, |x| self.ptr(&x.0.data, 0));
+        let fp = |i: usize| at(i).map_or(f0, |x| fmt_code(x.0.format));
+        let np = |i: usize| at(i).map_or(0, |x| x.0.n);
+        let op = |i: usize| at(i).map_or(0, |x| x.1);
+        let bp = |i: usize| at(i).and_then(|x| x.2).map_or(0, |b| self.ptr(b, 0));
+        Ok(vec![
+            Arg::Ptr(wp(0)),
+            Arg::Ptr(wp(1)),
+            Arg::Ptr(wp(2)),
+            Arg::I32(fp(0)),
+            Arg::I32(fp(1)),
+            Arg::I32(fp(2)),
+            Arg::I32(i32_of("n", np(0))?),
+            Arg::I32(i32_of("n", np(1))?),
+            Arg::I32(i32_of("n", np(2))?),
+            Arg::Ptr(op(0)),
+            Arg::Ptr(op(1)),
+            Arg::Ptr(op(2)),
+            Arg::Ptr(bp(0)),
+            Arg::Ptr(bp(1)),
+            Arg::Ptr(bp(2)),
+            Arg::Ptr(xp),
+            Arg::Ptr(nwp),
+            Arg::F32(eps),
+            Arg::Ptr(qp),
+            Arg::Ptr(dp),
+            Arg::I32(i32_of("k", k)?),
+            Arg::I32(i32_of("block", bla)?),
+            Arg::I32(mode),
+            Arg::I32(i32_of("stage", rs)?),
+        ])
+    }
+
+    /// The `_tcs8` launch of [`Device::matvec`] for [`MvInput::Batch`] (its checks done;
+    /// `input` the codes and scales addresses and the row count): a CTA per 16-row group at
+    /// a time, the group's blocks over up to eight warps (at most one per block), two
+    /// buffers of block sums and each warp's two-slot ring in shared memory.
+    fn matvec_split8(
+        &self,
+        ws: &[(&DevMatrix, u64, Option<&Buf<f32>>)],
+        input: (u64, u64, usize),
+        epi: Epilogue,
+        kernel: &str,
+        k: usize,
+    ) -> Result<(), CudaError> {
+        let (qp, dp, m) = input;
+        let w = ws[0].0;
+        let pair = epi == Epilogue::SwiGlu;
+        let np = if pair { 2 } else { 1 };
+        let nba = k / 256;
+        let groups: usize = if pair {
+            w.n.div_ceil(16)
+        } else {
+            ws.iter().map(|x| x.0.n.div_ceil(16)).sum()
+        };
+        // Ring bytes per row block: the largest block, from anywhere in a 16-byte line.
+        let rs = ws
+            .iter()
+            .map(|x| block_geometry(x.0.format).0)
+            .max()
+            .unwrap_or(0)
+            .saturating_add(30)
+            .div_ceil(16)
+            * 16;
+        let sa = (m * k).div_ceil(16) * 16
+            + (m * nba * 4).div_ceil(16) * 16
+            + (m * (k / 16) * 4).div_ceil(16) * 16
+            + 2 * np * nba * 16 * 8 * 8
+            + 2 * np * nba * 16 * 8;
+        let ring = 2 * 16 * rs * np;
+        let fit = self.smem_limit().saturating_sub(sa) / ring;
+        let warps = (MV_THREADS / 32).min(nba).min(fit);
+        if warps == 0 {
+            return Err(CudaError::Shape(format!(
+                "split tensor-core matvec over {m} rows of {k}: {} bytes of shared memory",
+                sa + ring
+            )));
+        }
+        let smem = sa + warps * ring;
+        let name = format!("{kernel}_tcs8");
+        let threads = (warps * 32) as u32;
+        let per_sm = self.occupancy(&name, threads, smem);
+        let grid = groups.min(self.sm_count() * per_sm).max(1);
+        let mode = match epi {
+            Epilogue::Store => 0,
+            Epilogue::Accumulate => 1,
+            Epilogue::SwiGlu => 2,
+        } | ((m as i32) << 8);
+        self.launch_smem(
+            &name,
+            (u32::try_from(grid).unwrap_or(u32::MAX), 1, 1),
+            (threads, 1, 1),
+            u32::try_from(smem).unwrap_or(u32::MAX),
+            &self.matvec_args(ws, (0, 0, 0.0, qp, dp), k, 256, mode, rs)?,
         )
     }
 

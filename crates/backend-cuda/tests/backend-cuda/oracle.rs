@@ -298,12 +298,18 @@ fn matvec_matches_cpu_bit_for_bit_over_formats_shapes_and_prologues() {
 fn tensor_core_matvec_rows_match_cpu() {
     // Matmuls of 1 to 16 rows of Q4_K and Q6_K on the tensor-core matvec kernels (`_tc8`:
     // sixteen weight rows a warp, row r of the activations in B column r; more than eight
-    // rows in launches of eight): ragged N, rows of several staging units (k = 8960), and row
+    // rows in launches of eight; and `_tcs8`, a group's blocks over a CTA's warps): ragged N, rows of several staging units (k = 8960), and row
     // counts of verify blocks and batched decode steps.
     let d = device();
     let shapes = [(37, 512), (130, 2304), (9, 8960), (300, 1536)];
     d.set_tc_rows(true);
-    for (fi, format) in [Format::Q4_K, Format::Q6_K].into_iter().enumerate() {
+    for (split, (fi, format)) in [false, true].into_iter().flat_map(|sp| {
+        [Format::Q4_K, Format::Q6_K]
+            .into_iter()
+            .enumerate()
+            .map(move |f| (sp, f))
+    }) {
+        d.set_tc_split(split);
         for (si, &(n, k)) in shapes.iter().enumerate() {
             let seed = (7000 + fi * 100 + si) as u64;
             let wf = randv(n * k, seed, 1.0);
@@ -321,7 +327,7 @@ fn tensor_core_matvec_rows_match_cpu() {
                     .unwrap();
                 let gpu = d.matmul_host(format, &w, n, k, &x).unwrap();
                 assert_bits_eq(
-                    &format!("tensor-core matvec {format} n {n} k {k} m {m}"),
+                    &format!("tensor-core matvec {format} n {n} k {k} m {m} split {split}"),
                     &gpu,
                     &cpu,
                 );
@@ -329,6 +335,7 @@ fn tensor_core_matvec_rows_match_cpu() {
         }
     }
     d.set_tc_rows(false);
+    d.set_tc_split(true);
 }
 
 #[test]
@@ -349,16 +356,29 @@ fn verify_blocks_on_tensor_core_matvec_match_cpu() {
     run_chunks(&mut cpu, sc, 0, &prompt, 33);
     let want = run_chunks(&mut cpu, sc, 33, &more, 1);
     let want_steps = run_chunks(&mut cpu, sc, 59, &more[..6], 1);
-    for chunk in [2, 3, 5, 8, 13] {
+    for (split, chunk) in [
+        (false, 2),
+        (false, 13),
+        (true, 2),
+        (true, 3),
+        (true, 5),
+        (true, 8),
+        (true, 13),
+    ] {
         let mut gpu = cuda_backend(&g);
         gpu.model().device().set_tc_rows(true);
+        gpu.model().device().set_tc_split(split);
         gpu.set_step_options(StepOptions::matvec_mode(4));
         let sg = gpu.kv_new();
         run_chunks(&mut gpu, sg, 0, &prompt, 33);
         let got = run_chunks(&mut gpu, sg, 33, &more, chunk);
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
             assert!(b.iter().all(|v| v.is_finite()), "cpu logits finite");
-            assert_bits_eq(&format!("{chunk}-row blocks, position {}", 33 + i), a, b);
+            assert_bits_eq(
+                &format!("{chunk}-row blocks (split {split}), position {}", 33 + i),
+                a,
+                b,
+            );
         }
         let steps = run_chunks(&mut gpu, sg, 59, &more[..6], 1);
         for (i, (a, b)) in steps.iter().zip(&want_steps).enumerate() {
