@@ -322,16 +322,18 @@ fn large_smem(name: &str) -> bool {
     LARGE_SMEM.contains(&name) || name.starts_with("attention_rows_")
 }
 
+/// The default [`Device::tc_min_rows`]: the split tensor-core matvec (`_tcs8`, a CTA per
+/// 16-row group, its blocks over the CTA's warps) from two rows. Measured on an H100
+/// (2026-12-08, 1.5B shape, verify blocks after 512 tokens, `lockstep bench --verify
+/// --device cuda -r 3`), ms with `_tcs8` from two rows / the warp kernels below eight rows
+/// and `_tc8` from eight: 2 rows 3.24 / 3.98, 4 rows 3.36 / 4.82, 8 rows 3.77 / 6.44,
+/// 12 rows 5.92 / 10.28, 16 rows 6.33 / 11.29. The unsplit `_tc8` (one warp per 16-row
+/// group) was slower than the warp kernels below eight rows (seventh session: 2 rows 4.91
+/// / 4.01).
+pub(crate) const TC_MIN_ROWS: usize = 2;
+
 /// Static shared memory the [`LARGE_SMEM`] kernels declare themselves, at most (bytes):
 /// their dynamic share is the opt-in limit less this.
-/// The default [`Device::tc_min_rows`]. Measured on an H100 (2026-12-07, 1.5B shape,
-/// verify blocks after 512 tokens, `lockstep bench --verify --device cuda -r 3`), ms with
-/// the tensor-core matvec kernels / without: 2 rows 4.91 / 4.01, 4 rows 5.39 / 4.86, 8 rows
-/// 6.41 / 7.64, 12 rows 10.22 / 13.71, 16 rows 11.21 / 13.25. One-row decode on them (the
-/// layers' `LOCKSTEP_CUDA_MATVEC=4`) took 4.11 ms a token against 1.51 on the
-/// block-parallel kernels: too few warps (one per 16 rows) to keep the loads in flight.
-pub(crate) const TC_MIN_ROWS: usize = 8;
-
 const LARGE_SMEM_STATIC: usize = 8 * 1024;
 
 fn drv(what: &str, e: cudarc::driver::DriverError) -> CudaError {
@@ -378,11 +380,15 @@ pub fn device_count() -> usize {
 /// The fewest rows a matmul takes the tensor-core kernels for unless
 /// `LOCKSTEP_CUDA_MMA_MIN_ROWS` or [`Device::set_mma_min_rows`] says otherwise.
 ///
-/// 14: measured on an H100 (1.5B shape, verify blocks at context 512, `cuda_bench
-/// --verify-only`), a 14- to 16-row step is 2–8 % faster on the tensor cores than on the
-/// warp kernels, a 13-row step about as fast, and fewer rows much slower (their 32-row
-/// tiles leave most of the grid idle: 14 ms at every M from 2 against 4.9 ms at M = 2).
-pub const MMA_MIN_ROWS_DEFAULT: usize = 14;
+/// 9: Q4_K and Q6_K matmuls of up to 16 rows take the tensor-core matvec kernels
+/// ([`Device::tc_min_rows`]) first, so this threshold moves only the other formats (the
+/// 32-element blocks that small models' `*_K_M` files use where a row is no multiple of 256).
+/// Measured on an H100 (2026-12-08, `lockstep bench --verify --device cuda -r 3`, verify
+/// blocks after 512 tokens), ms at 9 / 14: qwen2.5-0.5b shape, 9 rows 5.29 / 10.84, 13 rows
+/// 5.24 / 11.64; smollm2-135m shape, 9 rows 5.42 / 6.09, 13 rows 5.50 / 6.84; eight rows
+/// and fewer stay on the warp kernels (4.36 ms at 8 rows against ~5.2 for a 32-row tile on
+/// the 0.5B shape). The 1.5B shape (Q4_K and Q6_K only) is the same either way.
+pub const MMA_MIN_ROWS_DEFAULT: usize = 9;
 
 /// The tensor-core prefill matmuls' default: on unless `LOCKSTEP_CUDA_MMA=0`.
 fn mma_default() -> bool {
@@ -635,8 +641,9 @@ impl Device {
 
     /// Sets the fewest rows (0: never) from which matmuls of up to 16 rows of Q4_K and Q6_K
     /// matrices (verify blocks, batched decode steps) take the tensor-core matvec kernels:
-    /// sixteen weight rows a warp, up to eight activation rows' sub-block dot products from
-    /// one int8 tensor-core step, each weight block read once per eight rows. The same bits
+    /// sixteen weight rows at a time, up to eight activation rows' sub-block dot products
+    /// from one int8 tensor-core step, each weight block read once per eight rows
+    /// ([`Device::set_tc_split`] says how the work is spread). The same bits
     /// either way; `TC_MIN_ROWS` by default, `LOCKSTEP_CUDA_TC_ROWS=N` sets it at start.
     /// Only matters while [`Device::mma`] is on.
     pub fn set_tc_min_rows(&self, rows: usize) {

@@ -2410,6 +2410,37 @@ __device__ __forceinline__ void tc_block(const u8* bg, const u8* bh, const i8* q
 // of k), block scales (m rows of k / 256), with an f32 input row the row itself (k floats),
 // the sub-block sums (m rows of k / 16 ints), then each warp's ring of two units (16 row
 // chunks of rs bytes, twice for a gate/up pair).
+// The tensor-core matvec kernels' unit lookup: group t of the up-to-three matrices' 16-row
+// groups (ngm each, in matrix order) is matrix i's rows j0 .. j0 + 15.
+__device__ __forceinline__ void tc_locate(const int* ngm, int t, int& i, int& j0) {
+    i = t < ngm[0] ? 0 : (t < ngm[0] + ngm[1] ? 1 : 2);
+    j0 = (t - (i == 0 ? 0 : (i == 1 ? ngm[0] : ngm[0] + ngm[1]))) * TC_G;
+}
+
+// The m activation rows' codes and block scales (made by the kernel before) into shared
+// memory. Ends with a barrier.
+__device__ __forceinline__ void tc_copy_rows(i8* sq, float* sd, const i8* qs, const float* ad, int m, int k,
+                                             int nba) {
+    pdl_wait();
+    for (int i = threadIdx.x; i < m * k / 16; i += blockDim.x)
+        *(int4*)(sq + 16 * i) = __ldcg((const int4*)(qs + 16 * i));
+    for (int i = threadIdx.x; i < m * nba; i += blockDim.x) sd[i] = __ldcg(ad + i);
+    __syncthreads();
+}
+
+// Each 16-value sub-block's code sum for the m rows in shared memory (s_as[row * nsb + j]).
+// Ends with a barrier.
+__device__ __forceinline__ void tc_code_sums(int* s_as, const i8* sq, int m, int nsb) {
+    for (int i = threadIdx.x; i < m * nsb; i += blockDim.x) {
+        const int* a4 = (const int*)(sq + 16 * i);
+        int s = 0;
+#pragma unroll
+        for (int u = 0; u < 4; u++) s = __dp4a(a4[u], 0x01010101, s);
+        s_as[i] = s;
+    }
+    __syncthreads();
+}
+
 template <int FA, int FB, int PAIR, int MR>
 __device__ __forceinline__ void matvec_impl_tc(const u8* w0, const u8* w1, const u8* w2, int f0, int f1, int f2,
                                                int n0, int n1, int n2, float* o0, float* o1, float* o2,
@@ -2448,10 +2479,7 @@ __device__ __forceinline__ void matvec_impl_tc(const u8* w0, const u8* w1, const
     }
     int total = ngm[0] + ngm[1] + ngm[2];
     int gw = blockIdx.x * nwarps + wib, GW = gridDim.x * nwarps;
-    auto locate = [&](int t, int& i, int& j0) {
-        i = t < ngm[0] ? 0 : (t < ngm[0] + ngm[1] ? 1 : 2);
-        j0 = (t - (i == 0 ? 0 : (i == 1 ? ngm[0] : ngm[0] + ngm[1]))) * TC_G;
-    };
+    auto locate = [&](int t, int& i, int& j0) { tc_locate(ngm, t, i, j0); };
     const u8* wm[3] = {w0, w1, w2};
     auto issue = [&](int t, int c, int slot) {
         if (t < total) {
@@ -2481,24 +2509,9 @@ __device__ __forceinline__ void matvec_impl_tc(const u8* w0, const u8* w1, const
     next(t1, c1);
     issue(t, c, 0);
     issue(t1, c1, 1);
-    if (MR == 1) {
-        mv_prologue(x, nw, eps, qs, ad, k, bla, sq, sd, sx);
-    } else {
-        // The rows' codes and scales (made by the kernel before).
-        pdl_wait();
-        for (int i = threadIdx.x; i < m * k / 16; i += blockDim.x)
-            *(int4*)(sq + 16 * i) = __ldcg((const int4*)(qs + 16 * i));
-        for (int i = threadIdx.x; i < m * nba; i += blockDim.x) sd[i] = __ldcg(ad + i);
-        __syncthreads();
-    }
-    for (int i = threadIdx.x; i < m * nsb; i += blockDim.x) {
-        const int* a4 = (const int*)(sq + 16 * i);
-        int s = 0;
-#pragma unroll
-        for (int u = 0; u < 4; u++) s = __dp4a(a4[u], 0x01010101, s);
-        s_as[i] = s;
-    }
-    __syncthreads();
+    if (MR == 1) mv_prologue(x, nw, eps, qs, ad, k, bla, sq, sd, sx);
+    else tc_copy_rows(sq, sd, qs, ad, m, k, nba);
+    tc_code_sums(s_as, sq, m, nsb);
     // This lane's activation rows: B column g's (its codes), and the C columns 2 tq, 2 tq + 1
     // (their sums and scales); rows past m read row m - 1 (never stored) or zeros (B).
     bool bok = g < m;
@@ -2683,10 +2696,7 @@ __device__ __forceinline__ void matvec_impl_tcs8(const u8* w0, const u8* w1, con
 #pragma unroll
     for (int i = 0; i < 3; i++) ngm[i] = i < nm ? (nn[i] + TC_G - 1) / TC_G : 0;
     int total = ngm[0] + ngm[1] + ngm[2];
-    auto locate = [&](int t, int& i, int& j0) {
-        i = t < ngm[0] ? 0 : (t < ngm[0] + ngm[1] ? 1 : 2);
-        j0 = (t - (i == 0 ? 0 : (i == 1 ? ngm[0] : ngm[0] + ngm[1]))) * TC_G;
-    };
+    auto locate = [&](int t, int& i, int& j0) { tc_locate(ngm, t, i, j0); };
     const u8* wm[3] = {w0, w1, w2};
     // This warp's units: (group t, block b), b = wib, wib + W, ... of each of the CTA's groups.
     auto issue = [&](int t, int b, int slot) {
@@ -2720,19 +2730,8 @@ __device__ __forceinline__ void matvec_impl_tcs8(const u8* w0, const u8* w1, con
     issue(t, b, 0);
     issue(t1, u1, 1);
     // The rows' codes and scales (made by the kernel before), then each sub-block's code sum.
-    pdl_wait();
-    for (int i = threadIdx.x; i < m * k / 16; i += blockDim.x)
-        *(int4*)(sq + 16 * i) = __ldcg((const int4*)(qs + 16 * i));
-    for (int i = threadIdx.x; i < m * nba; i += blockDim.x) sd[i] = __ldcg(ad + i);
-    __syncthreads();
-    for (int i = threadIdx.x; i < m * nsb; i += blockDim.x) {
-        const int* a4 = (const int*)(sq + 16 * i);
-        int s = 0;
-#pragma unroll
-        for (int u = 0; u < 4; u++) s = __dp4a(a4[u], 0x01010101, s);
-        s_as[i] = s;
-    }
-    __syncthreads();
+    tc_copy_rows(sq, sd, qs, ad, m, k, nba);
+    tc_code_sums(s_as, sq, m, nsb);
     // This lane's activation rows: B column g's (its codes), and the C columns 2 tq, 2 tq + 1
     // (their sums); rows past m read row m - 1 (never stored) or zeros (B).
     bool bok = g < m;
