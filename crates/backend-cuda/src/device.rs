@@ -76,7 +76,7 @@ pub struct Device {
     mma: std::sync::atomic::AtomicBool,
     mmq_wide: std::sync::atomic::AtomicBool,
     /// The fewest rows (0: none) a matmul of Q4_K / Q6_K takes the tensor-core matvec
-    /// kernels for, up to `TC_CHUNKED_ROWS` ([`Device::set_tc_min_rows`]).
+    /// kernels for, up to [`Device::tc_max_rows`] ([`Device::set_tc_min_rows`]).
     tc_min_rows: std::sync::atomic::AtomicUsize,
     /// Whether those matmuls split a row group's blocks over a CTA's warps (`_tcs8`)
     /// instead of giving a warp whole groups (`_tc8`) ([`Device::set_tc_split`]).

@@ -189,6 +189,17 @@ pub(crate) enum Epilogue {
     SwiGlu,
 }
 
+impl Epilogue {
+    /// The low bits of a kernel's `mode` argument for this epilogue.
+    fn mode(self) -> i32 {
+        match self {
+            Epilogue::Store => 0,
+            Epilogue::Accumulate => 1,
+            Epilogue::SwiGlu => 2,
+        }
+    }
+}
+
 /// Bytes per weight block and blocks in flight per warp (`Meta::BB` and `G` in
 /// `kernels.cu`) of a quantized format.
 fn block_geometry(f: Format) -> (usize, usize) {
@@ -466,11 +477,7 @@ impl Device {
                 acts.layout, acts.k, acts.cap, w.format, w.k
             )));
         }
-        let mode = match epi {
-            Epilogue::Store => 0,
-            Epilogue::Accumulate => 1,
-            Epilogue::SwiGlu => 2,
-        } | if self.unordered_matmul() { 4 } else { 0 };
+        let mode = epi.mode() | if self.unordered_matmul() { 4 } else { 0 };
         let at = |i: usize| ws.get(i);
         let wp = |i: usize| at(i).map_or(0, |x| self.ptr(&x.0.data, 0));
         let np = |i: usize| at(i).map_or(0, |x| x.0.n);
@@ -500,8 +507,9 @@ impl Device {
             ])
         };
         let pair = epi == Epilogue::SwiGlu;
-        // Up to TC_MAX_ROWS rows of Q4_K or Q6_K, when on: the tensor-core matvec kernels
-        // (every row in one launch, each weight block read once; the same bits).
+        // Up to `tc_max_rows` rows of Q4_K or Q6_K, when on: the tensor-core matvec kernels
+        // in launches of up to TC_MAX_ROWS rows (each weight block read once per launch;
+        // the same bits).
         if m <= self.tc_max_rows()
             && self.tc_min_rows() > 0
             && m >= self.tc_min_rows()
@@ -788,11 +796,8 @@ impl Device {
         let threads = (warps * 32) as u32;
         let per_sm = self.occupancy(&name, threads, smem);
         let grid = work.div_ceil(warps).min(self.sm_count() * per_sm).max(1);
-        let mode = match epi {
-            Epilogue::Store => 0,
-            Epilogue::Accumulate => 1,
-            Epilogue::SwiGlu => 2,
-        } | if self.unordered_matmul() { 4 } else { 0 }
+        let mode = epi.mode()
+            | if self.unordered_matmul() { 4 } else { 0 }
             | if matches!(input, MvInput::Batch(..)) {
                 (rows as i32) << 8
             } else {
@@ -906,11 +911,7 @@ impl Device {
         let threads = (warps * 32) as u32;
         let per_sm = self.occupancy(&name, threads, smem);
         let grid = groups.min(self.sm_count() * per_sm).max(1);
-        let mode = match epi {
-            Epilogue::Store => 0,
-            Epilogue::Accumulate => 1,
-            Epilogue::SwiGlu => 2,
-        } | ((m as i32) << 8);
+        let mode = epi.mode() | ((m as i32) << 8);
         self.launch_smem(
             &name,
             (u32::try_from(grid).unwrap_or(u32::MAX), 1, 1),

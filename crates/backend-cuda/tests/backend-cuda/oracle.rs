@@ -298,8 +298,9 @@ fn matvec_matches_cpu_bit_for_bit_over_formats_shapes_and_prologues() {
 fn tensor_core_matvec_rows_match_cpu() {
     // Matmuls of 1 to 16 rows of Q4_K and Q6_K on the tensor-core matvec kernels (`_tc8`:
     // sixteen weight rows a warp, row r of the activations in B column r; more than eight
-    // rows in launches of eight; and `_tcs8`, a group's blocks over a CTA's warps): ragged N, rows of several staging units (k = 8960), and row
-    // counts of verify blocks and batched decode steps.
+    // rows in launches of eight; and `_tcs8`, a group's blocks over a CTA's warps): ragged
+    // N, rows of several staging units (k = 8960), and row counts of verify blocks and
+    // batched decode steps.
     let d = device();
     let shapes = [(37, 512), (130, 2304), (9, 8960), (300, 1536)];
     d.set_tc_rows(true);
